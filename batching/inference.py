@@ -1,0 +1,40 @@
+"""One request's life in the server, from arrival to its answer."""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from generate.sequence import SamplingParams, Sequence
+
+
+@dataclass(eq=False)
+class Inference:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq: Sequence = field(init=False)
+    done: threading.Event = field(default_factory=threading.Event)  # set exactly once
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.seq = Sequence(list(self.prompt_ids), self.params)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.seq.completion_ids
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.arrival
+
+    def finish(self, error: str | None = None) -> None:
+        assert not self.done.is_set(), "an inference is answered exactly once"
+        self.error = error
+        self.finished_at = time.monotonic()
+        self.done.set()

@@ -1,0 +1,154 @@
+"""The batching manager: one loop thread owns the engine; request threads wait on events.
+
+The three modes differ only in when requests move from the manager's queue into the
+engine, so a comparison between them measures scheduling alone:
+  nobatch  one request at a time, start to finish;
+  static   when the engine is idle, gather up to MAX_BATCH_SIZE requests (waiting at most
+           STATIC_BATCH_WAIT_S for more) and run them until every one is done;
+  dynamic  every step, everything waiting is handed to the engine's scheduler, which
+           admits it as soon as there is room (iteration-level batching).
+"""
+
+import logging
+import threading
+import time
+from collections import deque
+
+from batching.inference import Inference
+from batching.stats import Stats
+from config import Settings
+from generate.engine import Engine, StepResult
+from generate.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests are waiting than MAX_WAITING allows."""
+
+
+class NotServing(Exception):
+    """The loop is not running (not started yet, or died)."""
+
+
+class BatchingManager:
+    def __init__(self, engine: Engine, settings: Settings):
+        self.engine, self.settings, self.mode = engine, settings, settings.mode
+        self.stats = Stats()
+        self.failure: str | None = None
+        self._cond = threading.Condition()
+        self._incoming: deque[Inference] = deque()  # guarded by _cond
+        self._cancelled: list[Inference] = []  # guarded by _cond
+        self._active: dict[int, Inference] = {}  # seq id -> inference; loop thread only
+        self._thread = threading.Thread(target=self._run, name=f"batching-{self.mode}", daemon=True)
+
+    # --- request threads --------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
+
+    def enqueue(self, prompt_ids: list[int], params: SamplingParams) -> Inference:
+        inf = Inference(prompt_ids, params)
+        with self._cond:
+            if not self.ready:  # checked under the lock that _fail_everything takes
+                raise NotServing(self.failure or "the batching loop is not running")
+            if self.num_waiting() >= self.settings.max_waiting:
+                raise QueueFull(f"{self.settings.max_waiting} requests are already waiting")
+            self._incoming.append(inf)
+            self._cond.notify()
+        return inf
+
+    def cancel(self, inf: Inference) -> None:
+        """Stop an inference (its client left or timed out); the loop frees its blocks."""
+        with self._cond:
+            self._cancelled.append(inf)
+            self._cond.notify()
+
+    def num_waiting(self) -> int:
+        return len(self._incoming) + len(self.engine.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    # --- the loop thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            log.info("batching loop running in %s mode", self.mode)
+            while True:
+                self._take_requests()
+                results = self.engine.step()
+                self._deliver(results)
+        except BaseException as err:  # the loop must never die silently with requests waiting
+            log.exception("batching loop died")
+            self._fail_everything(f"the batching loop died: {type(err).__name__}: {err}")
+
+    def _take_requests(self) -> None:
+        """Move requests from the queue into the engine, as the mode allows; sleep when idle."""
+        engine = self.engine
+        with self._cond:
+            self._apply_cancellations()
+            while not engine.has_work() and not self._incoming:
+                self.stats.mark_busy(False)
+                self._cond.wait()
+                self._apply_cancellations()
+            self.stats.mark_busy(True)
+            if self.mode == "dynamic":
+                count = len(self._incoming)
+            elif engine.has_work():
+                count = 0  # nobatch and static: nothing joins a running batch
+            elif self.mode == "nobatch":
+                count = 1
+            else:
+                count = self._gather_static_batch()
+            for _ in range(count):
+                inf = self._incoming.popleft()
+                self._active[inf.seq.seq_id] = inf
+                engine.add(inf.seq)
+
+    def _gather_static_batch(self) -> int:
+        deadline = self._incoming[0].arrival + self.settings.static_batch_wait_s
+        while len(self._incoming) < self.settings.max_batch_size and time.monotonic() < deadline:
+            self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+            self._apply_cancellations()
+            if not self._incoming:
+                return 0
+        return min(len(self._incoming), self.settings.max_batch_size)
+
+    def _apply_cancellations(self) -> None:
+        for inf in self._cancelled:
+            if inf.done.is_set():
+                continue  # finished before the cancellation arrived
+            if inf in self._incoming:
+                self._incoming.remove(inf)
+            else:
+                self.engine.abort(inf.seq)
+                self._active.pop(inf.seq.seq_id, None)
+            self._answer(inf, error="cancelled")
+        self._cancelled.clear()
+
+    def _deliver(self, results: list[StepResult]) -> None:
+        now = time.monotonic()
+        for seq, _token in results:
+            inf = self._active[seq.seq_id]
+            if inf.first_token_at is None:
+                inf.first_token_at = now
+            if seq.finish_reason:
+                del self._active[seq.seq_id]
+                self._answer(inf)
+
+    def _answer(self, inf: Inference, error: str | None = None) -> None:
+        inf.finish(error)
+        self.stats.record(inf)
+
+    def _fail_everything(self, reason: str) -> None:
+        with self._cond:
+            self.failure = reason
+            pending = list(self._incoming) + list(self._active.values())
+            self._incoming.clear()
+            self._active.clear()
+        for inf in pending:
+            if not inf.done.is_set():
+                self._answer(inf, error=reason)

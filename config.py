@@ -1,0 +1,62 @@
+"""Every setting of the server, read once from the environment and an optional `.env`."""
+
+import os
+from dataclasses import dataclass, fields
+
+from dotenv import load_dotenv
+
+MODES = ("nobatch", "static", "dynamic")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    mode: str = "dynamic"
+    model: str = ""  # empty: gpt2-medium from the hub, else random gpt2-medium weights
+    host: str = "127.0.0.1"
+    port: int = 8500
+    device: str = ""  # empty: cuda if available, else cpu
+    dtype: str = ""  # empty: float16 on cuda, float32 on cpu
+    max_batch_size: int = 256
+    max_batch_tokens: int = 2048  # tokens computed per step; must cover one full context
+    kv_cache_gb: float = 0.0  # 0: 4 GB on cpu, 90% of free memory on cuda
+    kv_cache_blocks: int = 0  # > 0 overrides kv_cache_gb (tests, tiny pools)
+    block_size: int = 16
+    prefix_cache: bool = True
+    max_waiting: int = 1024
+    static_batch_wait_s: float = 0.05  # how long static mode gathers a batch
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 1 << 20
+    seed: int = 0  # seed of random:<name> weights
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"MODE must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.max_batch_tokens < 1024:
+            raise ValueError("MAX_BATCH_TOKENS must be at least 1024 (one full context)")
+        if self.block_size < 1 or self.max_batch_size < 1:
+            raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
+
+    @classmethod
+    def from_env(cls, env_file: str | None = None, **overrides) -> "Settings":
+        """Settings from `NAME` variables (upper-case field names), `.env` filling gaps."""
+        load_dotenv(env_file or ".env", override=False)
+        values = {}
+        for f in fields(cls):
+            raw = os.environ.get(f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _parse(raw, type(f.default), f.name)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(raw: str, kind: type, name: str):
+    if kind is bool:
+        if raw.lower() in ("1", "true", "on", "yes"):
+            return True
+        if raw.lower() in ("0", "false", "off", "no"):
+            return False
+        raise ValueError(f"{name.upper()} must be on or off, got {raw!r}")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name.upper()} must be a {kind.__name__}, got {raw!r}") from None

@@ -1,0 +1,68 @@
+"""Turn the scheduled sequences into the flat StepBatch the model runs on."""
+
+import torch
+
+from generate.sequence import Sequence
+from model.gpt2 import AttentionGroup, StepBatch
+
+
+def build_step_batch(seqs: list[Sequence], block_size: int, device: torch.device) -> StepBatch:
+    """Rows: the new tokens of each sequence, in the order given (prefills first)."""
+    input_ids, positions, slots, last_rows = [], [], [], []
+    for seq in seqs:
+        start, end = seq.num_computed_tokens, len(seq.token_ids)
+        assert end > start, "a scheduled sequence has a token to compute"
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += (seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        last_rows.append(len(input_ids) - 1)
+    prefills = [s for s in seqs if s.num_new_tokens > 1]
+    assert seqs[: len(prefills)] == prefills, "prefills must come first"
+    groups = []
+    if prefills:
+        groups.append(_prefill_group(prefills, block_size))
+    if len(prefills) < len(seqs):
+        groups.append(
+            _decode_group(seqs[len(prefills) :], block_size, first_row=len(input_ids) - len(seqs) + len(prefills))
+        )
+    to = dict(device=device, non_blocking=True)
+    return StepBatch(
+        input_ids=torch.tensor(input_ids).to(**to),
+        positions=torch.tensor(positions).to(**to),
+        slot_mapping=torch.tensor(slots).to(**to),
+        groups=[AttentionGroup(*(t if t is None else t.to(**to) for t in g)) for g in groups],
+        logits_rows=torch.tensor(last_rows).to(**to),
+    )
+
+
+def _key_slots(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots of every key each sequence attends to, padded; and the context lengths."""
+    context = torch.tensor([len(s.token_ids) for s in seqs])  # [B]
+    width = -(-int(context.max()) // block_size)
+    tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs])
+    slots = (tables.unsqueeze(2) * block_size + torch.arange(block_size)).view(len(seqs), -1)  # [B, blocks*bs]
+    return slots[:, : int(context.max())], context  # [B, Lk], [B]
+
+
+def _decode_group(seqs: list[Sequence], block_size: int, first_row: int) -> tuple:
+    key_slots, context = _key_slots(seqs, block_size)  # [B, Lk], [B]
+    query_index = torch.arange(first_row, first_row + len(seqs)).unsqueeze(1)  # [B, 1]
+    mask = torch.arange(key_slots.shape[1]) < context.unsqueeze(1)  # [B, Lk]
+    return query_index, key_slots, mask[:, None, None, :], None  # mask [B, 1, 1, Lk]
+
+
+def _prefill_group(seqs: list[Sequence], block_size: int) -> tuple:
+    key_slots, context = _key_slots(seqs, block_size)  # [B, Lk], [B]
+    new = torch.tensor([s.num_new_tokens for s in seqs])  # [B]
+    first_row = torch.cumsum(new, 0) - new  # [B]
+    longest = int(new.max())
+    i = torch.arange(longest)  # query offsets
+    real = i < new.unsqueeze(1)  # [B, Lq]
+    query_index = torch.where(real, first_row.unsqueeze(1) + i, 0)  # [B, Lq]
+    query_pos = context.unsqueeze(1) - new.unsqueeze(1) + i  # [B, Lq] position of each query
+    key_pos = torch.arange(key_slots.shape[1])  # [Lk]
+    # Causal, which also hides padded keys from real queries; padded queries see key 0
+    # at least (so no NaN) and their rows are dropped.
+    mask = key_pos <= query_pos.unsqueeze(2)  # [B, Lq, Lk]
+    valid_rows = real.flatten().nonzero().squeeze(1)  # [rows]
+    return query_index, key_slots, mask.unsqueeze(1), valid_rows

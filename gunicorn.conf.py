@@ -1,0 +1,28 @@
+"""gunicorn settings for server.sh: one worker holds the model; its threads hold requests."""
+
+import sys
+
+from config import Settings
+from model.loader import ModelLoadError, resolve_model
+
+settings = Settings.from_env()
+
+bind = f"{settings.host}:{settings.port}"
+workers = 1  # one model, one KV cache, one batching loop
+worker_class = "gthread"
+# Every request in flight holds a thread while it waits on its event: too few threads
+# would silently cap the batch, so there is one for each running and waiting request.
+threads = max(256, settings.max_batch_size + settings.max_waiting)
+worker_connections = threads + 64
+timeout = 600  # the worker loads the model before it answers gunicorn's heartbeat
+graceful_timeout = 30
+accesslog = None
+
+
+def on_starting(server) -> None:
+    """Resolve (and download) the model before forking, so a bad MODEL is one clear line."""
+    try:
+        resolve_model(settings.model)
+    except ModelLoadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,145 @@
+"""Paged KV cache bookkeeping: a fixed pool of blocks, per-sequence block tables, refcounts.
+
+Block lifetime has one owner, this class. A block is either referenced (by one or more
+sequences; several only when shared through the prefix trie) or in the free queue. The
+free queue is also the eviction order: blocks that hold cached prefixes wait at its tail
+in least-recently-used order and keep their KV until they are reused; plain free blocks
+wait at its head, so they are used before any cached block is evicted.
+"""
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Protocol
+
+from kvcache.prefix_trie import PrefixTrie
+
+
+class KVCacheExhausted(Exception):
+    """No free or evictable block is left in the pool."""
+
+
+class SequenceBlocks(Protocol):
+    token_ids: list[int]
+    block_table: list[int]
+    num_cached_tokens: int  # tokens taken from the prefix cache at admission
+    num_committed_blocks: int  # leading full blocks already offered to the prefix cache
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.trie = PrefixTrie(block_size) if prefix_cache else None
+        self.evictions = 0
+
+    # --- capacity -------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: never used, freed, or cached but unreferenced."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.trie) if self.trie else 0
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return sum(1 for b in self._free if self.trie and b in self.trie)
+
+    # --- sequences ------------------------------------------------------------------
+    def _match(self, seq: SequenceBlocks) -> list[int]:
+        if self.trie is None:
+            return []
+        # Leave at least one token to compute: its logits give the next token.
+        return self.trie.match(seq.token_ids, max_blocks=(len(seq.token_ids) - 1) // self.block_size)
+
+    def can_allocate(self, seq: SequenceBlocks, reserve: int = 0) -> bool:
+        cached = self._match(seq)
+        needed = self.blocks_for(len(seq.token_ids)) - len(cached)
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+        return needed + revived + reserve <= len(self._free)
+
+    def allocate(self, seq: SequenceBlocks) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing its cached prefix."""
+        assert not seq.block_table, "sequence already holds blocks"
+        if not self.can_allocate(seq):
+            raise KVCacheExhausted(f"{len(seq.token_ids)} tokens do not fit in {len(self._free)} free blocks")
+        cached = self._match(seq)
+        for block in cached:
+            self._acquire(block)
+        seq.block_table = cached + [self._take_free() for _ in range(self.blocks_for(len(seq.token_ids)) - len(cached))]
+        seq.num_cached_tokens = len(cached) * self.block_size
+        seq.num_committed_blocks = len(cached)
+
+    def append_slot(self, seq: SequenceBlocks) -> None:
+        """Make room for the sequence's last token, taking a new block at a block boundary."""
+        if len(seq.block_table) < self.blocks_for(len(seq.token_ids)):
+            if not self._free:
+                raise KVCacheExhausted("no free block for a decoding sequence")
+            seq.block_table.append(self._take_free())
+        assert len(seq.block_table) == self.blocks_for(len(seq.token_ids))
+
+    def commit(self, seq: SequenceBlocks, num_computed_tokens: int) -> None:
+        """Offer blocks filled by computed tokens to the prefix cache."""
+        if self.trie is None:
+            return
+        bs = self.block_size
+        for i in range(seq.num_committed_blocks, num_computed_tokens // bs):
+            parent = seq.block_table[i - 1] if i else None
+            self.trie.insert(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.block_table[i])
+        seq.num_committed_blocks = max(seq.num_committed_blocks, num_computed_tokens // bs)
+
+    def free(self, seq: SequenceBlocks) -> None:
+        # Deepest block first, so that among equally old blocks the tail of a prefix goes first.
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+        seq.num_committed_blocks = 0
+
+    # --- the pool -------------------------------------------------------------------
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        if self.trie is not None and block in self.trie:
+            for dropped in self.trie.remove(block):
+                self.evictions += 1
+                if dropped != block:  # descendants are unreachable now: reuse them first
+                    assert self.ref_counts[dropped] == 0
+                    self._free.move_to_end(dropped, last=False)
+        self.ref_counts[block] = 1
+        return block
+
+    def _acquire(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def _release(self, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"block {block} released twice"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free[block] = None  # tail: most recently used
+            if self.trie is None or block not in self.trie:
+                self._free.move_to_end(block, last=False)
+
+    def check_integrity(self, live: Iterable[SequenceBlocks]) -> None:
+        """Refcounts equal real owners; no block both free and used; nothing leaked."""
+        owners = [0] * self.num_blocks
+        for seq in live:
+            assert len(set(seq.block_table)) == len(seq.block_table), "a block appears twice in one table"
+            assert len(seq.block_table) <= self.blocks_for(len(seq.token_ids))
+            for block in seq.block_table:
+                owners[block] += 1
+        assert owners == self.ref_counts, "refcounts differ from the block tables"
+        free = {b for b in range(self.num_blocks) if owners[b] == 0}
+        assert free == set(self._free), "free queue differs from the unreferenced blocks"
+        if self.trie is not None:
+            self.trie.check_integrity()

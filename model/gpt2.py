@@ -1,0 +1,158 @@
+"""GPT-2 over a paged KV cache, in one file (after nanoGPT's model.py).
+
+The forward pass takes a flat batch: the new tokens of many sequences concatenated
+(whole prompts, the uncached tail of a prompt, or one token of a decoding sequence),
+with their positions. Each layer writes the new keys/values into the cache slots the
+block manager handed out, then every sequence attends over its own slots only. Logits
+come out only for the rows that need a next token.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class GPTConfig:
+    n_layer: int = 24
+    n_head: int = 16
+    n_embd: int = 1024
+    n_positions: int = 1024
+    vocab_size: int = 50257
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.n_layer * self.n_embd * element
+
+
+PRESETS = {
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences of one step that attend together, padded to a common shape.
+
+    The engine puts sequences with several new tokens (prefills) in one group and
+    single-token decodes in another, so a 500-token prompt never pads 100 decodes.
+    Each group's query rows are a contiguous range of the flat batch.
+    """
+
+    query_index: torch.Tensor  # [B, Lq] flat row of each query (padding points at row 0)
+    key_slots: torch.Tensor  # [B, Lk] cache slot of each key (padding points at slot 0)
+    mask: torch.Tensor  # [B, 1, Lq, Lk] True where the query may attend
+    valid_rows: torch.Tensor | None  # [N] rows of the [B*Lq] padded output that are real
+
+
+@dataclass(slots=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [T] new tokens of every sequence, concatenated
+    positions: torch.Tensor  # [T] their positions in their sequences
+    slot_mapping: torch.Tensor  # [T] cache slot each new key/value is written to
+    groups: list[AttentionGroup]  # attention groups, covering rows 0..T-1 in order
+    logits_rows: torch.Tensor  # [N] rows whose next token is wanted
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=1)  # 3 x [T, C]
+        q = q.view(T, self.n_head, self.head_dim)  # [T, H, D]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [S, H, D] each, S = cache slots
+        k_cache[batch.slot_mapping] = k.view(T, self.n_head, self.head_dim)
+        v_cache[batch.slot_mapping] = v.view(T, self.n_head, self.head_dim)
+        outputs = [self._attend(q, k_cache, v_cache, group) for group in batch.groups]
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, C]
+        return self.c_proj(y)
+
+    @staticmethod
+    def _attend(q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+        B, Lq = group.query_index.shape
+        q = q[group.query_index].transpose(1, 2)  # [B, H, Lq, D]
+        k = k_cache[group.key_slots].transpose(1, 2)  # [B, H, Lk, D]
+        v = v_cache[group.key_slots].transpose(1, 2)  # [B, H, Lk, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)  # [B, H, Lq, D]
+        y = y.transpose(1, 2).reshape(B * Lq, -1)  # [B*Lq, C]
+        return y if group.valid_rows is None else y[group.valid_rows]  # [rows, C]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"; exact GELU drifts
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))  # [T, C]
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, batch)  # [T, C]
+        return x + self.mlp(self.ln_2(x))  # [T, C]
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in the released checkpoints
+        self.kv_cache: torch.Tensor | None = None  # [L, 2, S, H, D]
+
+    def init_random(self, seed: int) -> None:
+        """nanoGPT's initialisation, from a private generator so the seed fixes the weights."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "ln" in name:
+                nn.init.ones_(p)
+            else:
+                # residual projections scaled down with depth, as in GPT-2's paper
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std, generator=gen)
+
+    def allocate_kv_cache(self, num_slots: int) -> None:
+        c, p = self.config, self.wte.weight
+        self.kv_cache = torch.zeros(c.n_layer, 2, num_slots, c.n_head, c.head_dim, dtype=p.dtype, device=p.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        assert self.kv_cache is not None, "allocate_kv_cache() first"
+        x = self.wte(batch.input_ids) + self.wpe(batch.positions)  # [T, C]
+        for layer, block in enumerate(self.h):
+            x = block(x, self.kv_cache[layer], batch)  # [T, C]
+        x = self.ln_f(x[batch.logits_rows])  # [N, C]
+        return self.lm_head(x).float()  # [N, V]

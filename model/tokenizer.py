@@ -1,0 +1,28 @@
+"""GPT-2 BPE tokenizer that works offline.
+
+`tiktoken.get_encoding("gpt2")` downloads its vocabulary on first use, which fails on
+offline machines, so the same ranks ship next to this file (from openai-whisper's
+`whisper/assets/gpt2.tiktoken`, MIT licence) and are checked by hash on load.
+"""
+
+from pathlib import Path
+
+import tiktoken
+import tiktoken.load
+from tiktoken_ext.openai_public import r50k_pat_str
+
+VOCAB_FILE = Path(__file__).with_name("gpt2.tiktoken")
+VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+EOT_TOKEN = "<|endoftext|>"
+EOT_ID = 50256
+
+
+def load_tokenizer() -> tiktoken.Encoding:
+    ranks = tiktoken.load.load_tiktoken_bpe(str(VOCAB_FILE), expected_hash=VOCAB_SHA256)
+    assert len(ranks) == EOT_ID, f"expected {EOT_ID} BPE ranks, got {len(ranks)}"
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={EOT_TOKEN: EOT_ID},
+    )
