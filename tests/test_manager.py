@@ -1,0 +1,77 @@
+"""The batching loop under faults, in process: queue limits, timeouts, and a loop that dies."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from app import create_app
+from config import Settings
+
+
+def wait_until(condition, deadline_s: float = 30) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def make_app(tiny_checkpoint):
+    def make(**settings):
+        app = create_app(Settings(model=str(tiny_checkpoint), kv_cache_blocks=256, **settings))
+        return app, app.extensions["manager"]
+
+    return make
+
+
+def post(app, body):
+    return app.test_client().post("/inference", json=body)
+
+
+def test_full_queue_gets_503_and_a_dead_loop_fails_everyone_at_once(make_app):
+    app, manager = make_app(max_waiting=2)
+    gate = threading.Event()
+
+    def broken_step():
+        gate.wait()
+        raise RuntimeError("simulated failure")
+
+    manager.engine.step = broken_step
+    with ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(post, app, {"prompt": f"request {i}", "num_tokens": 5}) for i in range(2)]
+        wait_until(lambda: manager.num_waiting() == 2)
+        full = post(app, {"prompt": "one too many", "num_tokens": 5})
+        assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+        gate.set()
+        answers = [f.result(timeout=30) for f in waiting]
+    assert [a.status_code for a in answers] == [500, 500]
+    assert all("simulated failure" in a.get_json()["error"]["message"] for a in answers)
+    client = app.test_client()
+    assert client.get("/health").status_code == 503
+    assert post(app, {"prompt": "after", "num_tokens": 1}).status_code == 503
+    assert client.get("/stats").get_json()["requests_failed"] == 2
+
+
+def test_request_over_its_timeout_is_aborted_with_504_and_frees_its_blocks(make_app):
+    app, manager = make_app(request_timeout_s=0.2)
+    engine, gate = manager.engine, threading.Event()
+    step, cancel = engine.step, manager.cancel
+
+    def held_step():
+        gate.wait()  # hold the loop until the request has given up
+        return step()
+
+    def cancel_then_release(inf):
+        cancel(inf)
+        gate.set()
+
+    engine.step, manager.cancel = held_step, cancel_then_release
+    answer = post(app, {"prompt": "slow", "num_tokens": 500})
+    assert answer.status_code == 504 and "error" in answer.get_json()
+    wait_until(lambda: not engine.has_work())
+    engine.blocks.check_integrity([])
+    assert engine.blocks.num_used_blocks == 0
+    assert app.test_client().get("/health").status_code == 200
+    assert post(app, {"prompt": "next", "num_tokens": 3}).status_code == 200

@@ -1,0 +1,119 @@
+"""The model against transformers: same logits, and greedy output equal through the paged cache."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from config import Settings
+from generate.engine import Engine
+from generate.sequence import SamplingParams, Sequence
+from generate.step_input import build_step_batch
+from model.loader import ModelLoadError, load_model, resolve_model
+
+CPU = torch.device("cpu")
+
+
+def make_engine(checkpoint, num_blocks=256, block_size=4, **settings) -> Engine:
+    loaded = load_model(str(checkpoint), CPU, torch.float32)
+    return Engine(loaded.model, num_blocks, Settings(block_size=block_size, **settings), loaded.name)
+
+
+def logits_of(engine: Engine, seq: Sequence, start: int, end: int) -> torch.Tensor:
+    """Logits at positions start..end-1, computing them over the cached positions before."""
+    seq.num_computed_tokens = start
+    batch = build_step_batch([_upto(seq, end)], engine.blocks.block_size, CPU)
+    batch.logits_rows = torch.arange(end - start)
+    return engine.model(batch)
+
+
+def _upto(seq: Sequence, end: int) -> Sequence:
+    view = Sequence(seq.token_ids[:end])
+    view.block_table, view.num_computed_tokens = seq.block_table, seq.num_computed_tokens
+    return view
+
+
+def test_logits_match_transformers(tiny_checkpoint, hf_model):
+    engine = make_engine(tiny_checkpoint)
+    (prompt,) = random_prompts([45])
+    seq = Sequence(list(prompt))
+    engine.blocks.allocate(seq)
+    expected = hf_model(torch.tensor([prompt])).logits[0]  # [45, V]
+    torch.testing.assert_close(logits_of(engine, seq, 0, 45), expected, atol=1e-4, rtol=1e-4)
+    # The same logits when the first 30 positions come from the cache written above.
+    torch.testing.assert_close(logits_of(engine, seq, 30, 45), expected[30:], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_batch_with_mixed_steps_matches_transformers_alone(tiny_checkpoint, hf_greedy):
+    engine = make_engine(tiny_checkpoint)
+    prompts = random_prompts([1, 7, 16, 33, 50, 3], seed=1)
+    lengths = [40, 32, 47, 35, 33, 60]
+    seqs = [Sequence(list(p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, lengths)]
+    # Admit in waves, so new prompts' prefills share steps with running sequences' decodes.
+    mixed_steps = 0
+    for wave in (seqs[:2], seqs[2:4], seqs[4:]):
+        for seq in wave:
+            engine.add(seq)
+        for _ in range(3):
+            mixed_steps += bool(engine.scheduler.running and engine.scheduler.waiting)
+            engine.step()
+    assert mixed_steps == 2  # the second and third waves joined running sequences
+    while engine.has_work():
+        engine.step()
+    for seq, prompt, n in zip(seqs, prompts, lengths):
+        assert seq.completion_ids == hf_greedy(prompt, n)
+    engine.blocks.check_integrity([])
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_loads_pytorch_bin_checkpoints(tiny_checkpoint, hf_model, tmp_path):
+    shutil.copy(tiny_checkpoint / "config.json", tmp_path)
+    torch.save(hf_model.state_dict(), tmp_path / "pytorch_model.bin")
+    a = load_model(str(tiny_checkpoint), CPU, torch.float32).model.state_dict()
+    b = load_model(str(tmp_path), CPU, torch.float32).model.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_random_weights_are_seeded():
+    a = load_model("random:gpt2", CPU, torch.float32, seed=3).model
+    b = load_model("random:gpt2", CPU, torch.float32, seed=3).model
+    c = load_model("random:gpt2", CPU, torch.float32, seed=4).model
+    assert torch.equal(a.h[5].mlp.c_fc.weight, b.h[5].mlp.c_fc.weight)
+    assert not torch.equal(a.h[5].mlp.c_fc.weight, c.h[5].mlp.c_fc.weight)
+    assert a.config.n_layer == 12 and a.config.n_embd == 768
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("gpt5-ultra", "unknown model 'gpt5-ultra'"),
+        ("random:gpt3", "unknown model 'random:gpt3'"),
+    ],
+)
+def test_unknown_models_are_refused(spec, message):
+    with pytest.raises(ModelLoadError, match=message):
+        resolve_model(spec)
+
+
+def test_directory_without_weights(tiny_checkpoint, tmp_path):
+    shutil.copy(tiny_checkpoint / "config.json", tmp_path)
+    with pytest.raises(ModelLoadError, match="no model.safetensors or pytorch_model.bin"):
+        load_model(str(tmp_path), CPU, torch.float32)
+
+
+def test_config_that_is_not_gpt2(tiny_checkpoint, tmp_path):
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(ModelLoadError, match="not a GPT-2 config"):
+        resolve_model(str(tmp_path))
+
+
+def test_prompt_longer_than_context_is_refused_before_work(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint)
+    with pytest.raises(ValueError, match=r"prompt \(1020 tokens\) \+ max tokens \(10\) = 1030 exceeds the 1024"):
+        engine.add(Sequence([1] * 1020, SamplingParams(max_tokens=10)))
+    assert not engine.has_work() and engine.num_steps == 0

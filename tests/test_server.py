@@ -1,0 +1,167 @@
+"""End to end: the real ./server.sh (gunicorn) serving a checkpoint written by transformers."""
+
+import random
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from server_process import ROOT, running_server, server_env
+
+from model.tokenizer import load_tokenizer
+
+TOKENIZER = load_tokenizer()
+WORDS = "the lighthouse keeper watched ships pass in a storm at night while gulls cried over grey water".split()
+
+
+def text_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60))).capitalize() for _ in range(n)]
+
+
+def post(url: str, body, **kwargs) -> requests.Response:
+    return requests.post(f"{url}/inference", json=body, timeout=120, **kwargs)
+
+
+def greedy_all(url: str, prompts: list[str], counts: list[int], workers: int) -> list[dict]:
+    def one(args):
+        response = post(url, {"prompt": args[0], "num_tokens": args[1], "temperature": 0})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, zip(prompts, counts)))
+
+
+@pytest.fixture(scope="module")
+def settings(tiny_checkpoint) -> dict[str, str]:
+    return {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "2048", "MAX_BODY_BYTES": "65536"}
+
+
+@pytest.fixture(scope="module")
+def dynamic(settings, tmp_path_factory):
+    with running_server("dynamic", tmp_path_factory.mktemp("logs"), **settings) as url:
+        yield url
+
+
+@pytest.mark.parametrize("mode", ["nobatch", "static", "dynamic"])
+def test_greedy_output_equals_transformers_in_every_mode(mode, settings, hf_greedy, tmp_path):
+    prompts, counts = text_prompts(8, seed=1), [1, 40, 17, 33, 2, 25, 40, 9]
+    with running_server(mode, tmp_path, **settings) as url:
+        results = greedy_all(url, prompts, counts, workers=8)
+        stats = requests.get(f"{url}/stats", timeout=10).json()
+    for prompt, n, result in zip(prompts, counts, results):
+        prompt_ids = TOKENIZER.encode(prompt)
+        assert result["token_ids"] == hf_greedy(prompt_ids, n)
+        assert result["text"] == TOKENIZER.decode(result["token_ids"])
+        assert result["completion"] == prompt + result["text"]
+        assert (result["prompt_tokens"], result["completion_tokens"]) == (len(prompt_ids), n)
+        assert 0 < result["ttft_s"] <= result["latency_s"]
+    assert stats["mode"] == mode
+    assert (stats["requests_completed"], stats["tokens_generated"]) == (8, sum(counts))
+
+
+def test_64_concurrent_requests_each_equal_their_answer_alone(dynamic, hf_greedy):
+    rng = random.Random(2)
+    prompts, counts = text_prompts(64, seed=3), [rng.randint(1, 48) for _ in range(64)]
+    together = greedy_all(dynamic, prompts, counts, workers=64)
+    alone = greedy_all(dynamic, prompts, counts, workers=1)
+    assert [r["token_ids"] for r in together] == [r["token_ids"] for r in alone]
+    assert [r["token_ids"] for r in alone] == [hf_greedy(TOKENIZER.encode(p), n) for p, n in zip(prompts, counts)]
+
+
+def test_stats_count_what_was_sent(dynamic):
+    before = requests.get(f"{dynamic}/stats", timeout=10).json()
+    counts = [5, 1, 12, 7]
+    greedy_all(dynamic, text_prompts(4, seed=4), counts, workers=4)
+    post(dynamic, {"prompt": "", "num_tokens": 3})  # refused: counts nowhere
+    after = requests.get(f"{dynamic}/stats", timeout=10).json()
+    assert after["requests_completed"] - before["requests_completed"] == 4
+    assert after["tokens_generated"] - before["tokens_generated"] == sum(counts)
+    assert after["total-tokens-handled"] == after["tokens_generated"]
+    assert after["requests_failed"] == before["requests_failed"]
+    assert after["requests_running"] == after["requests_waiting"] == after["kv_blocks_used"] == 0
+    assert after["throughput"] > 0 and after["latency_s"]["p99"] >= after["latency_s"]["p50"] > 0
+    assert {"latency-per-token", "total-elapsed-time", "ttft_s", "tpot_s", "kv_blocks_total"} <= after.keys()
+
+
+def test_seeded_sampling_is_reproducible_over_http(dynamic):
+    body = {"prompt": "Once upon a time", "num_tokens": 20, "temperature": 0.9, "top_p": 0.9, "top_k": 50}
+    a, b = (post(dynamic, {**body, "seed": 7}).json() for _ in range(2))
+    c = post(dynamic, {**body, "seed": 8}).json()
+    assert a["token_ids"] == b["token_ids"] != c["token_ids"]
+
+
+BAD_BODIES = [
+    ("not json", "body"),
+    ([1, 2], "JSON object"),
+    ({"num_tokens": 5}, "'prompt'"),
+    ({"prompt": 5, "num_tokens": 5}, "'prompt'"),
+    ({"prompt": "", "num_tokens": 5}, "'prompt'"),
+    ({"prompt": "hi"}, "'num_tokens'"),
+    ({"prompt": "hi", "num_tokens": 0}, "'num_tokens'"),
+    ({"prompt": "hi", "num_tokens": -3}, "'num_tokens'"),
+    ({"prompt": "hi", "num_tokens": 2.5}, "'num_tokens'"),
+    ({"prompt": "hi", "num_tokens": True}, "'num_tokens'"),
+    ({"prompt": "hi", "num_tokens": "5"}, "'num_tokens'"),
+    ({"prompt": "hi", "num_tokens": 1024}, "1024-token context"),
+    ({"prompt": "hi " * 1100, "num_tokens": 1}, "1024-token context"),
+    ({"prompt": "hi", "num_tokens": 5, "temperature": -1}, "'temperature'"),
+    ({"prompt": "hi", "num_tokens": 5, "temperature": "hot"}, "'temperature'"),
+    ({"prompt": "hi", "num_tokens": 5, "top_p": 0}, "'top_p'"),
+    ({"prompt": "hi", "num_tokens": 5, "top_p": 1.5}, "'top_p'"),
+    ({"prompt": "hi", "num_tokens": 5, "top_k": -1}, "'top_k'"),
+    ({"prompt": "hi", "num_tokens": 5, "seed": "x"}, "'seed'"),
+    ({"prompt": "hi", "num_tokens": 5, "stop_at_eos": "yes"}, "'stop_at_eos'"),
+]
+
+
+@pytest.mark.parametrize(("body", "names"), BAD_BODIES)
+def test_bad_input_gets_400_naming_the_field(dynamic, body, names):
+    if isinstance(body, str):
+        response = requests.post(f"{dynamic}/inference", data=body, timeout=10)
+    else:
+        response = post(dynamic, body)
+    assert response.status_code == 400
+    assert names in response.json()["error"]["message"]
+    assert post(dynamic, {"prompt": "still serving", "num_tokens": 2}).status_code == 200
+
+
+def test_nan_is_refused(dynamic):
+    raw = '{"prompt": "hi", "num_tokens": 3, "temperature": NaN}'
+    response = requests.post(f"{dynamic}/inference", data=raw, headers={"Content-Type": "application/json"}, timeout=10)
+    assert response.status_code == 400 and "'temperature'" in response.json()["error"]["message"]
+
+
+def test_oversized_unknown_and_wrong_method_get_json_errors(dynamic):
+    big = post(dynamic, {"prompt": "x" * 100_000, "num_tokens": 1})
+    assert big.status_code == 413 and "error" in big.json()
+    missing = requests.get(f"{dynamic}/nowhere", timeout=10)
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong = requests.get(f"{dynamic}/inference", timeout=10)
+    assert wrong.status_code == 405 and "error" in wrong.json()
+    assert requests.get(f"{dynamic}/health", timeout=10).status_code == 200
+
+
+def test_server_sh_refuses_an_unknown_mode():
+    result = subprocess.run([str(ROOT / "server.sh"), "turbo"], capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0 and "usage" in result.stderr
+
+
+def test_unreachable_hub_model_is_one_clear_line(tmp_path):
+    env = server_env(MODEL="gpt2-large", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path), PORT="1")
+    result = subprocess.run([str(ROOT / "server.sh"), "dynamic"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "cannot download 'gpt2-large'" in result.stderr and "random:gpt2-large" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_no_settings_serves_random_gpt2_medium_and_says_so(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "KV_CACHE_BLOCKS": "64"}
+    with running_server("dynamic", tmp_path, **env) as url:
+        health = requests.get(f"{url}/health", timeout=10).json()
+        stats = requests.get(f"{url}/stats", timeout=10).json()
+    assert health["random_weights"] is True and health["model"] == "random:gpt2-medium"
+    assert stats["model"] == "random:gpt2-medium"
+    (log,) = tmp_path.glob("server-*.log")
+    assert "SERVING RANDOM GPT2-MEDIUM WEIGHTS" in log.read_text()
