@@ -1,0 +1,110 @@
+"""Per-request results and the summary of a benchmark run. Pure functions, no I/O."""
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+
+class RequestResult(NamedTuple):
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None  # as reported by the server
+    latency_s: float  # wall time measured by the client
+    error: str | None
+    requested_tokens: int
+
+
+class Summary(NamedTuple):
+    mean: float
+    p50: float
+    p99: float
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0 <= p <= 100), interpolating linearly between ranks as numpy does by default."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= p <= 100:
+        raise ValueError(f"p must be in [0, 100], got {p}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    lower = math.floor(rank)
+    upper = math.ceil(rank)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (rank - lower)
+
+
+def describe(values: Sequence[float]) -> Summary | None:
+    """Mean, median and p99 of `values`, or None when there are none."""
+    if not values:
+        return None
+    return Summary(mean=sum(values) / len(values), p50=percentile(values, 50), p99=percentile(values, 99))
+
+
+def tpot(result: RequestResult) -> float | None:
+    """Time per output token after the first, in seconds, as vLLM's benchmark_serving defines it.
+
+    None when it is undefined: a failed request, no TTFT, or fewer than two output tokens.
+    """
+    if not result.ok or result.ttft_s is None or result.output_tokens <= 1:
+        return None
+    return (result.latency_s - result.ttft_s) / (result.output_tokens - 1)
+
+
+def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, Any]:
+    """Counts, throughput over the wall-clock `duration_s` of the run, and latency statistics in ms.
+
+    Timing statistics cover successful requests only: a failed request's latency says nothing about generation.
+    """
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpots = [t for t in map(tpot, ok) if t is not None]
+    errors = Counter(r.error or "unknown error" for r in results if not r.ok)
+    return {
+        "requests_ok": len(ok),
+        "requests_failed": len(results) - len(ok),
+        "duration_s": duration_s,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / duration_s,
+        "requests_per_s": len(ok) / duration_s,
+        "latency_ms": describe([r.latency_s * 1000 for r in ok]),
+        "ttft_ms": describe([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
+        "tpot_ms": describe([t * 1000 for t in tpots]),
+        "errors": dict(errors.most_common()),
+    }
+
+
+_COUNT_ROWS = (
+    ("requests ok", "requests_ok", "{:d}"),
+    ("requests failed", "requests_failed", "{:d}"),
+    ("duration (s)", "duration_s", "{:.2f}"),
+    ("output tokens", "output_tokens", "{:d}"),
+    ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
+    ("ok requests/s", "requests_per_s", "{:.2f}"),
+)
+
+_TIMING_ROWS = (
+    ("latency (ms)", "latency_ms"),
+    ("ttft (ms)", "ttft_ms"),
+    ("tpot (ms)", "tpot_ms"),
+)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """`summarize`'s result as aligned plain text, followed by each distinct error and its count."""
+    label_width = max(len(label) for label, *_ in _COUNT_ROWS + _TIMING_ROWS)
+    lines = [f"{label:<{label_width}}  {fmt.format(summary[key]):>10}" for label, key, fmt in _COUNT_ROWS]
+    lines.append("")
+    lines.append(f"{'':<{label_width}}  " + "  ".join(f"{name:>10}" for name in Summary._fields))
+    for label, key in _TIMING_ROWS:
+        stats = summary[key]
+        cells = ["-"] * len(Summary._fields) if stats is None else [f"{value:.1f}" for value in stats]
+        lines.append(f"{label:<{label_width}}  " + "  ".join(f"{cell:>10}" for cell in cells))
+    if summary["errors"]:
+        lines.append("")
+        lines.append("errors:")
+        lines.extend(f"  {count} x {message}" for message, count in summary["errors"].items())
+    return "\n".join(lines)
