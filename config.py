@@ -1,7 +1,7 @@
 """Every setting of the server, read once from the environment and an optional `.env`."""
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from dotenv import load_dotenv
 
@@ -27,6 +27,8 @@ class Settings:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 1 << 20
     seed: int = 0  # seed of random:<name> weights
+    api_key: str = ""  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
+    shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -35,6 +37,10 @@ class Settings:
             raise ValueError("MAX_BATCH_TOKENS must be at least 1024 (one full context)")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
+
+    def redacted(self) -> "Settings":
+        """These settings, safe to log."""
+        return replace(self, api_key="***" if self.api_key else "")
 
     @classmethod
     def from_env(cls, env_file: str | None = None, **overrides) -> "Settings":

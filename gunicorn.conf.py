@@ -1,5 +1,6 @@
 """gunicorn settings for server.sh: one worker holds the model; its threads hold requests."""
 
+import signal
 import sys
 
 from config import Settings
@@ -15,7 +16,7 @@ worker_class = "gthread"
 threads = max(256, settings.max_batch_size + settings.max_waiting)
 worker_connections = threads + 64
 timeout = 600  # the worker loads the model before it answers gunicorn's heartbeat
-graceful_timeout = 30
+graceful_timeout = int(settings.shutdown_grace_s) + 10  # the app answers stragglers first
 accesslog = None
 
 
@@ -26,3 +27,15 @@ def on_starting(server) -> None:
     except ModelLoadError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+
+
+def post_worker_init(worker) -> None:
+    """On SIGTERM, running requests get SHUTDOWN_GRACE_S to finish; the rest are answered with an error."""
+    manager = worker.wsgi.extensions["server"].manager
+    stop_worker = worker.handle_exit
+
+    def handle_exit(sig, frame) -> None:
+        manager.shut_down(settings.shutdown_grace_s)
+        stop_worker(sig, frame)
+
+    signal.signal(signal.SIGTERM, handle_exit)

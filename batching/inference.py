@@ -1,9 +1,11 @@
 """One request's life in the server, from arrival to its answer."""
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
+from batching.text_stream import TextStream
 from generate.sequence import SamplingParams, Sequence
 
 
@@ -11,6 +13,8 @@ from generate.sequence import SamplingParams, Sequence
 class Inference:
     prompt_ids: list[int]
     params: SamplingParams
+    text: TextStream | None = None  # when the caller wants text (and stop strings) as tokens arrive
+    chunks: "queue.SimpleQueue[str | None] | None" = None  # streaming: text pieces, then None
     seq: Sequence = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)  # set exactly once
     arrival: float = field(default_factory=time.monotonic)
@@ -26,6 +30,10 @@ class Inference:
         return self.seq.completion_ids
 
     @property
+    def finish_reason(self) -> str | None:
+        return "stop" if self.text is not None and self.text.stopped else self.seq.finish_reason
+
+    @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
 
@@ -38,3 +46,5 @@ class Inference:
         self.error = error
         self.finished_at = time.monotonic()
         self.done.set()
+        if self.chunks is not None:
+            self.chunks.put(None)

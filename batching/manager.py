@@ -18,7 +18,6 @@ from batching.inference import Inference
 from batching.stats import Stats
 from config import Settings
 from generate.engine import Engine, StepResult
-from generate.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,7 @@ class BatchingManager:
         self.engine, self.settings, self.mode = engine, settings, settings.mode
         self.stats = Stats()
         self.failure: str | None = None
+        self._stop_at: float | None = None  # set by shut_down()
         self._cond = threading.Condition()
         self._incoming: deque[Inference] = deque()  # guarded by _cond
         self._cancelled: list[Inference] = []  # guarded by _cond
@@ -48,13 +48,18 @@ class BatchingManager:
 
     @property
     def ready(self) -> bool:
-        return self.failure is None and self._thread.is_alive()
+        return self.failure is None and self._stop_at is None and self._thread.is_alive()
 
-    def enqueue(self, prompt_ids: list[int], params: SamplingParams) -> Inference:
-        inf = Inference(prompt_ids, params)
+    def shut_down(self, grace_s: float) -> None:
+        """Take no new requests; those not finished within `grace_s` are answered with an error."""
+        with self._cond:
+            self._stop_at = time.monotonic() + grace_s
+            self._cond.notify()
+
+    def enqueue(self, inf: Inference) -> Inference:
         with self._cond:
             if not self.ready:  # checked under the lock that _fail_everything takes
-                raise NotServing(self.failure or "the batching loop is not running")
+                raise NotServing(self.failure or ("shutting down" if self._stop_at else "the loop is not running"))
             if self.num_waiting() >= self.settings.max_waiting:
                 raise QueueFull(f"{self.settings.max_waiting} requests are already waiting")
             self._incoming.append(inf)
@@ -77,28 +82,32 @@ class BatchingManager:
     def _run(self) -> None:
         try:
             log.info("batching loop running in %s mode", self.mode)
-            while True:
+            while not self._past_stop():
                 self._take_requests()
-                results = self.engine.step()
-                self._deliver(results)
+                self._deliver(self.engine.step())
         except BaseException as err:  # the loop must never die silently with requests waiting
             log.exception("batching loop died")
             self._fail_everything(f"the batching loop died: {type(err).__name__}: {err}")
+        else:
+            self._fail_everything("the server shut down before this request finished")
+
+    def _past_stop(self) -> bool:
+        return self._stop_at is not None and time.monotonic() >= self._stop_at
 
     def _take_requests(self) -> None:
         """Move requests from the queue into the engine, as the mode allows; sleep when idle."""
         engine = self.engine
         with self._cond:
             self._apply_cancellations()
-            while not engine.has_work() and not self._incoming:
+            while not engine.has_work() and not self._incoming and not self._past_stop():
                 self.stats.mark_busy(False)
-                self._cond.wait()
+                self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())
                 self._apply_cancellations()
             self.stats.mark_busy(True)
-            if self.mode == "dynamic":
-                count = len(self._incoming)
-            elif engine.has_work():
+            if not self._incoming or (self.mode != "dynamic" and engine.has_work()):
                 count = 0  # nobatch and static: nothing joins a running batch
+            elif self.mode == "dynamic":
+                count = len(self._incoming)
             elif self.mode == "nobatch":
                 count = 1
             else:
@@ -131,13 +140,26 @@ class BatchingManager:
 
     def _deliver(self, results: list[StepResult]) -> None:
         now = time.monotonic()
-        for seq, _token in results:
+        for seq, token in results:
             inf = self._active[seq.seq_id]
             if inf.first_token_at is None:
                 inf.first_token_at = now
-            if seq.finish_reason:
+            if inf.text is not None:
+                self._emit_text(inf, token)
+            if seq.finish_reason or inf.finish_reason:
+                if not seq.finish_reason:  # ended by a stop string: the engine would go on
+                    self.engine.abort(seq)
                 del self._active[seq.seq_id]
                 self._answer(inf)
+
+    @staticmethod
+    def _emit_text(inf: Inference, token: int) -> None:
+        seq = inf.seq
+        piece = "" if seq.finish_reason == "stop" else inf.text.push(token)  # the end-of-text token is no text
+        if seq.finish_reason:
+            piece += inf.text.finish()
+        if piece and inf.chunks is not None:
+            inf.chunks.put(piece)
 
     def _answer(self, inf: Inference, error: str | None = None) -> None:
         inf.finish(error)

@@ -60,7 +60,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             reserve = self.watermark if self.running else 0
-            if len(seq.token_ids) > budget or not self.blocks.can_allocate(seq, reserve):
+            blocks, tokens = self.blocks.admission_cost(seq)
+            if tokens > budget or blocks + reserve > self.blocks.num_free_blocks:
                 break  # strictly first come, first served: nobody overtakes the head
             self.waiting.popleft()
             self.blocks.allocate(seq)

@@ -33,6 +33,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.trie = PrefixTrie(block_size) if prefix_cache else None
         self.evictions = 0
+        self._num_evictable = 0  # free blocks still in the trie; a counter, as /stats reads it from other threads
 
     # --- capacity -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -53,7 +54,7 @@ class BlockManager:
 
     @property
     def num_evictable_blocks(self) -> int:
-        return sum(1 for b in self._free if self.trie and b in self.trie)
+        return self._num_evictable
 
     # --- sequences ------------------------------------------------------------------
     def _match(self, seq: SequenceBlocks) -> list[int]:
@@ -62,11 +63,15 @@ class BlockManager:
         # Leave at least one token to compute: its logits give the next token.
         return self.trie.match(seq.token_ids, max_blocks=(len(seq.token_ids) - 1) // self.block_size)
 
-    def can_allocate(self, seq: SequenceBlocks, reserve: int = 0) -> bool:
+    def admission_cost(self, seq: SequenceBlocks) -> tuple[int, int]:
+        """(free blocks that admitting `seq` would take, tokens it would have to compute)."""
         cached = self._match(seq)
         needed = self.blocks_for(len(seq.token_ids)) - len(cached)
-        revived = sum(1 for b in cached if self.ref_counts[b] == 0)
-        return needed + revived + reserve <= len(self._free)
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # cached, but in the free queue
+        return needed + revived, len(seq.token_ids) - len(cached) * self.block_size
+
+    def can_allocate(self, seq: SequenceBlocks, reserve: int = 0) -> bool:
+        return self.admission_cost(seq)[0] + reserve <= len(self._free)
 
     def allocate(self, seq: SequenceBlocks) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing its cached prefix."""
@@ -111,6 +116,7 @@ class BlockManager:
         if self.trie is not None and block in self.trie:
             for dropped in self.trie.remove(block):
                 self.evictions += 1
+                self._num_evictable -= 1
                 if dropped != block:  # descendants are unreachable now: reuse them first
                     assert self.ref_counts[dropped] == 0
                     self._free.move_to_end(dropped, last=False)
@@ -120,6 +126,7 @@ class BlockManager:
     def _acquire(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self._free[block]
+            self._num_evictable -= 1  # only cached blocks are acquired while free
         self.ref_counts[block] += 1
 
     def _release(self, block: int) -> None:
@@ -127,7 +134,9 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self._free[block] = None  # tail: most recently used
-            if self.trie is None or block not in self.trie:
+            if self.trie is not None and block in self.trie:
+                self._num_evictable += 1
+            else:
                 self._free.move_to_end(block, last=False)
 
     def check_integrity(self, live: Iterable[SequenceBlocks]) -> None:
@@ -141,5 +150,6 @@ class BlockManager:
         assert owners == self.ref_counts, "refcounts differ from the block tables"
         free = {b for b in range(self.num_blocks) if owners[b] == 0}
         assert free == set(self._free), "free queue differs from the unreferenced blocks"
+        assert self._num_evictable == sum(1 for b in self._free if self.trie and b in self.trie)
         if self.trie is not None:
             self.trie.check_integrity()

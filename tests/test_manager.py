@@ -21,7 +21,7 @@ def wait_until(condition, deadline_s: float = 30) -> None:
 def make_app(tiny_checkpoint):
     def make(**settings):
         app = create_app(Settings(model=str(tiny_checkpoint), kv_cache_blocks=256, **settings))
-        return app, app.extensions["manager"]
+        return app, app.extensions["server"].manager
 
     return make
 

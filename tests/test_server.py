@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from server_process import ROOT, running_server, server_env
 
+from client.launch import ROOT, running_server, server_env
 from model.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer()
@@ -157,7 +157,7 @@ def test_unreachable_hub_model_is_one_clear_line(tmp_path):
 
 
 def test_no_settings_serves_random_gpt2_medium_and_says_so(tmp_path):
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "KV_CACHE_BLOCKS": "64"}
+    env = {"MODEL": "", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "KV_CACHE_BLOCKS": "64"}
     with running_server("dynamic", tmp_path, **env) as url:
         health = requests.get(f"{url}/health", timeout=10).json()
         stats = requests.get(f"{url}/stats", timeout=10).json()

@@ -13,6 +13,7 @@ from pathlib import Path
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
+HEALTH_DEADLINE_S = 300
 
 
 def free_port() -> int:
@@ -22,7 +23,7 @@ def free_port() -> int:
 
 
 def server_env(**settings: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "MODE", "PORT", "HOST")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MODE", "PORT", "HOST")}
     # server.sh runs the python of the active environment: make it this one.
     env["VIRTUAL_ENV"] = sys.prefix
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
@@ -30,7 +31,7 @@ def server_env(**settings: str) -> dict[str, str]:
     return env
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, deadline_s: float = 180) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, deadline_s: float = HEALTH_DEADLINE_S) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

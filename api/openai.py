@@ -1,0 +1,132 @@
+"""OpenAI-compatible completions: POST /v1/completions (streaming too) and GET /v1/models."""
+
+import json
+import queue
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from flask import Blueprint, Response, jsonify, request
+
+from api.serving import Server, check_fits, server, submit, wait
+from api.validation import ApiError, bad, boolean, integer, json_object, number, optional_seed
+from batching.inference import Inference
+from batching.text_stream import TextStream
+from generate.sequence import SamplingParams
+
+routes = Blueprint("openai", __name__)
+MAX_STOP_STRINGS = 4
+
+
+class CompletionRequest(NamedTuple):
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+
+
+def parse_completion(body: Any, srv: Server) -> CompletionRequest:
+    body = json_object(body)
+    model = body.get("model")
+    if model is not None and model != srv.engine.model_name:
+        raise bad(f"'model' must be {srv.engine.model_name!r} (the served model) or omitted, got {model!r}", "model")
+    if body.get("n", 1) != 1:
+        raise bad(f"'n' must be 1: one completion per request, got {body.get('n')!r}", "n")
+    if body.get("logprobs") not in (None, 0):
+        raise bad("'logprobs' is not supported by this server", "logprobs")
+    return CompletionRequest(
+        prompt_ids=_prompt_ids(body.get("prompt"), srv),
+        params=SamplingParams(
+            max_tokens=integer(body, "max_tokens", 16, 1, srv.engine.max_context),
+            temperature=number(body, "temperature", 1.0, 0.0, 2.0),
+            top_k=integer(body, "top_k", 0, 0, 50257),
+            top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
+            seed=optional_seed(body),
+            stop_at_eos=not boolean(body, "ignore_eos", False),
+        ),
+        stop=_stop_strings(body.get("stop")),
+        stream=boolean(body, "stream", False),
+    )
+
+
+def _prompt_ids(prompt: Any, srv: Server) -> list[int]:
+    if isinstance(prompt, str) and prompt:
+        return srv.tokenizer.encode(prompt, disallowed_special=())
+    vocab = srv.tokenizer.n_vocab
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < vocab for t in prompt):
+        return prompt
+    raise bad(f"'prompt' must be a non-empty string or a list of token ids below {vocab}", "prompt")
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
+        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
+    return tuple(stops)
+
+
+@routes.get("/v1/models")
+def models():
+    name = server().engine.model_name
+    return jsonify(object="list", data=[{"id": name, "object": "model", "created": 0, "owned_by": "local"}])
+
+
+@routes.post("/v1/completions")
+def completions():
+    srv = server()
+    req = parse_completion(request.get_json(silent=True), srv)
+    check_fits(srv, len(req.prompt_ids), req.params.max_tokens, "max_tokens")
+    inf = Inference(
+        req.prompt_ids,
+        req.params,
+        text=TextStream(srv.tokenizer, req.stop),
+        chunks=queue.SimpleQueue() if req.stream else None,
+    )
+    submit(srv, inf)
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": srv.engine.model_name,
+    }
+    if req.stream:
+        return Response(_events(srv, inf, head), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+    wait(srv, inf)
+    n_prompt, n_done = len(req.prompt_ids), len(inf.generated_ids)
+    return jsonify(
+        **head,
+        choices=[_choice(inf.text.text, inf.finish_reason)],
+        usage={"prompt_tokens": n_prompt, "completion_tokens": n_done, "total_tokens": n_prompt + n_done},
+    )
+
+
+def _choice(text: str, finish_reason: str | None) -> dict:
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+
+def _events(srv: Server, inf: Inference, head: dict) -> Iterator[str]:
+    """Server-sent events; a client that hangs up closes this generator, which cancels the request."""
+    deadline = time.monotonic() + srv.settings.request_timeout_s
+    try:
+        while True:
+            try:
+                piece = inf.chunks.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise ApiError(504, f"no answer within {srv.settings.request_timeout_s} s", "timeout") from None
+            if piece is None:
+                break
+            yield _event({**head, "choices": [_choice(piece, None)]})
+        if inf.error:
+            raise ApiError(500, inf.error, "server_error")
+        yield _event({**head, "choices": [_choice("", inf.finish_reason)]})
+    except ApiError as err:
+        yield _event(err.body())
+    finally:
+        if not inf.done.is_set():
+            srv.manager.cancel(inf)
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

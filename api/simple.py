@@ -1,0 +1,48 @@
+"""POST /inference: the original endpoint, prompt + num_tokens in, completion out."""
+
+from typing import Any
+
+from flask import Blueprint, jsonify, request
+
+from api.serving import check_fits, server, submit, wait
+from api.validation import bad, boolean, integer, json_object, number, optional_seed
+from batching.inference import Inference
+from generate.sequence import SamplingParams
+
+routes = Blueprint("inference", __name__)
+
+
+def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams]:
+    body = json_object(body)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise bad(f"'prompt' must be a non-empty string, got {prompt!r}", "prompt")
+    params = SamplingParams(
+        max_tokens=integer(body, "num_tokens", None, 1, max_context),
+        temperature=number(body, "temperature", 1.0, 0.0, 100.0),
+        top_k=integer(body, "top_k", 0, 0, 50257),
+        top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
+        seed=optional_seed(body),
+        stop_at_eos=boolean(body, "stop_at_eos", False),
+    )
+    return prompt, params
+
+
+@routes.post("/inference")
+def inference():
+    srv = server()
+    prompt, params = parse_inference(request.get_json(silent=True), srv.engine.max_context)
+    prompt_ids = srv.tokenizer.encode(prompt, disallowed_special=())
+    check_fits(srv, len(prompt_ids), params.max_tokens, "num_tokens")
+    inf = wait(srv, submit(srv, Inference(prompt_ids, params)))
+    text = srv.tokenizer.decode(inf.generated_ids)
+    return jsonify(
+        completion=prompt + text,
+        text=text,
+        token_ids=inf.generated_ids,
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=len(inf.generated_ids),
+        finish_reason=inf.finish_reason,
+        ttft_s=inf.ttft_s,
+        latency_s=inf.latency_s,
+    )

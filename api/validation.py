@@ -1,0 +1,61 @@
+"""Request validation shared by the endpoints: every problem is a 4xx naming its field."""
+
+import math
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def json_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def integer(body: dict, name: str, default: Any, low: int, high: int) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer, got {value!r}", name)
+    if not low <= value <= high:
+        raise bad(f"'{name}' must be between {low} and {high}, got {value}", name)
+    return value
+
+
+def number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(f"'{name}' must be a finite number, got {value!r}", name)
+    if not low <= value <= high:
+        raise bad(f"'{name}' must be between {low} and {high}, got {value}", name)
+    return float(value)
+
+
+def boolean(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be true or false, got {value!r}", name)
+    return value
+
+
+def optional_seed(body: dict) -> int | None:
+    return None if body.get("seed") is None else integer(body, "seed", None, 0, 2**63 - 1)

@@ -1,0 +1,55 @@
+"""Generated tokens to text as they arrive: whole characters only, and stop strings cut out.
+
+A character can span several tokens; an incremental UTF-8 decoder holds its first bytes
+back until it is complete, so a stream never carries a broken character. Text that could
+still turn into a stop string is held back too, and the stop string is never emitted.
+"""
+
+import codecs
+from collections.abc import Sequence
+
+import tiktoken
+
+
+class TextStream:
+    def __init__(self, tokenizer: tiktoken.Encoding, stop: Sequence[str] = ()):
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""  # decoded, not yet released
+        self.text = ""  # released so far
+        self.stopped = False  # a stop string was found
+
+    def push(self, token_id: int) -> str:
+        """The text this token releases ('' if none)."""
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(self._tokenizer.decode_single_token_bytes(token_id))
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Release everything still held: the sequence has ended."""
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            out, self._held, self.stopped = self._held[: min(hits)], "", True
+        else:
+            keep = 0 if final else self._stop_prefix_length()
+            out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        self.text += out
+        return out
+
+    def _stop_prefix_length(self) -> int:
+        """Length of the longest tail of the held text that begins some stop string."""
+        longest = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(self._held)), longest, -1):
+                if self._held.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
