@@ -3,7 +3,7 @@
 import hmac
 import logging
 
-from flask import Flask, jsonify, request
+from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from api import openai, simple
@@ -54,6 +54,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     def stats():
         return jsonify(server_stats(srv))
 
+    @app.get("/metrics")
+    def metrics():
+        body, content_type = manager.metrics.render()
+        return Response(body, content_type=content_type)
+
     @app.get("/health")
     def health():
         """Alive: the model is loaded and the loop runs, however busy it is."""
@@ -88,6 +93,7 @@ def server_stats(srv: Server) -> dict:
         "prefix_cache_hit_rate": scheduler.prompt_tokens_cached / admitted if admitted else 0.0,
         "evictions": blocks.evictions,
         "preemptions": scheduler.num_preemptions,
+        "kv_cache_integrity": manager.cache_problem or "ok",
         "steps": srv.engine.num_steps,
         **manager.stats.snapshot(),
     }

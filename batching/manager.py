@@ -15,6 +15,7 @@ import time
 from collections import deque
 
 from batching.inference import Inference
+from batching.metrics import ServerMetrics
 from batching.stats import Stats
 from config import Settings
 from generate.engine import Engine, StepResult
@@ -34,8 +35,10 @@ class BatchingManager:
     def __init__(self, engine: Engine, settings: Settings):
         self.engine, self.settings, self.mode = engine, settings, settings.mode
         self.stats = Stats()
+        self.metrics = ServerMetrics(self)
         self.failure: str | None = None
         self._stop_at: float | None = None  # set by shut_down()
+        self.cache_problem: str | None = None  # from the last idle-time integrity check
         self._cond = threading.Condition()
         self._incoming: deque[Inference] = deque()  # guarded by _cond
         self._cancelled: list[Inference] = []  # guarded by _cond
@@ -99,6 +102,8 @@ class BatchingManager:
         engine = self.engine
         with self._cond:
             self._apply_cancellations()
+            if not engine.has_work() and not self._incoming:
+                self._check_cache()
             while not engine.has_work() and not self._incoming and not self._past_stop():
                 self.stats.mark_busy(False)
                 self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())
@@ -116,6 +121,15 @@ class BatchingManager:
                 inf = self._incoming.popleft()
                 self._active[inf.seq.seq_id] = inf
                 engine.add(inf.seq)
+
+    def _check_cache(self) -> None:
+        """Verify the KV cache whenever the server goes idle; /stats reports the outcome."""
+        try:
+            self.engine.blocks.check_integrity(live=[])
+            self.cache_problem = None
+        except AssertionError as err:
+            self.cache_problem = str(err) or "integrity check failed"
+            log.error("KV cache integrity: %s", self.cache_problem)
 
     def _gather_static_batch(self) -> int:
         deadline = self._incoming[0].arrival + self.settings.static_batch_wait_s
@@ -164,6 +178,7 @@ class BatchingManager:
     def _answer(self, inf: Inference, error: str | None = None) -> None:
         inf.finish(error)
         self.stats.record(inf)
+        self.metrics.observe(inf)
 
     def _fail_everything(self, reason: str) -> None:
         with self._cond:

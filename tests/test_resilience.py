@@ -1,0 +1,144 @@
+"""A server that survives its clients: garbage, a soak at 256 in flight, and SIGTERM under load."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import pytest
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.launch import ROOT, free_port, running_server, server_env, wait_healthy
+
+
+@pytest.fixture(scope="module")
+def url(tiny_checkpoint, tmp_path_factory):
+    env = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "4096", "MAX_BATCH_SIZE": "256"}
+    with running_server("dynamic", tmp_path_factory.mktemp("logs"), **env) as url:
+        yield url
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+SMALL = st.integers(-3, 24) | JSON  # token counts: mostly cheap, sometimes nonsense
+FIELDS = {
+    "prompt": st.text(max_size=40) | st.lists(st.integers(-2, 60000), max_size=5) | JSON,
+    "num_tokens": SMALL,
+    "max_tokens": SMALL,
+    "temperature": st.floats(-1, 3) | JSON,
+    "top_k": st.integers(-2, 60000) | JSON,
+    "top_p": st.floats(-0.5, 1.5) | JSON,
+    "seed": st.integers(-5, 2**64) | JSON,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=6) | JSON,
+    "stop_at_eos": JSON,
+    "ignore_eos": JSON,
+    "n": st.integers(0, 3) | JSON,
+    "model": st.text(max_size=10) | JSON,
+}
+BODIES = st.fixed_dictionaries({}, optional=FIELDS) | JSON
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=BODIES, endpoint=st.sampled_from(["/inference", "/v1/completions"]))
+def test_random_json_gets_a_json_4xx_or_a_completion(url, body, endpoint):
+    response = requests.post(
+        f"{url}{endpoint}", data=json.dumps(body), timeout=60, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code < 500, response.text
+    payload = response.json()
+    if response.status_code == 200:
+        assert isinstance(payload.get("completion") if endpoint == "/inference" else payload["choices"][0]["text"], str)
+    else:
+        assert 400 <= response.status_code < 500 and payload["error"]["message"]
+
+
+def test_still_serving_after_the_fuzz(url):
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+    ok = requests.post(f"{url}/inference", json={"prompt": "hello", "num_tokens": 3}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["completion_tokens"] == 3
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
+def test_soak_1000_requests_at_256_in_flight_all_answered_and_counted(url):
+    rng = random.Random(5)
+    counts = [rng.randint(1, 8) for _ in range(1000)]
+    stats_before = requests.get(f"{url}/stats", timeout=10).json()
+    ok_before = metric(url, "gpt2_requests_total", outcome="ok")
+    tokens_before = metric(url, "gpt2_generated_tokens_total")
+
+    def one(i: int) -> int:
+        body = {"prompt": f"request number {i}", "num_tokens": counts[i], "temperature": 0.7, "seed": i}
+        response = requests.post(f"{url}/inference", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()["completion_tokens"]
+
+    with ThreadPoolExecutor(256) as pool:
+        assert list(pool.map(one, range(1000))) == counts
+    stats = requests.get(f"{url}/stats", timeout=10).json()
+    assert stats["requests_completed"] - stats_before["requests_completed"] == 1000
+    assert stats["tokens_generated"] - stats_before["tokens_generated"] == sum(counts)
+    assert metric(url, "gpt2_requests_total", outcome="ok") - ok_before == 1000
+    assert metric(url, "gpt2_generated_tokens_total") - tokens_before == sum(counts)
+    assert stats["requests_failed"] == stats_before["requests_failed"]
+
+
+def test_sigterm_under_load_exits_in_grace_and_leaves_no_client_hanging(tiny_checkpoint, tmp_path):
+    grace, port = 3, free_port()
+    env = server_env(MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="4096", PORT=str(port), SHUTDOWN_GRACE_S=str(grace))
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(ROOT / "server.sh"), "dynamic"],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+
+        def one(num_tokens: int) -> str:
+            try:
+                body = {"prompt": "keep going", "num_tokens": num_tokens, "temperature": 0}
+                return str(requests.post(f"{url}/inference", json=body, timeout=120).status_code)
+            except requests.ConnectionError:
+                return "closed"
+
+        with ThreadPoolExecutor(64) as pool:
+            futures = [pool.submit(one, n) for n in [2] * 16 + [1000] * 48]
+            deadline = time.monotonic() + 60
+            while requests.get(f"{url}/stats", timeout=10).json()["requests_running"] < 48:
+                assert time.monotonic() < deadline, "load never built up"
+                time.sleep(0.05)  # polling interval under a deadline
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=grace + 30)
+            exited_after = time.monotonic() - sent
+            done, hanging = wait(futures, timeout=30)
+        assert not hanging
+        outcomes = [f.result() for f in done]
+        assert exited_after < grace + 15
+        assert outcomes.count("200") >= 16  # the short ones finished
+        assert set(outcomes) <= {"200", "500", "503", "closed"}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

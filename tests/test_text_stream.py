@@ -1,0 +1,54 @@
+"""Incremental detokenisation: whole characters only, stop strings cut out and never emitted."""
+
+import pytest
+
+from batching.text_stream import TextStream
+from model.tokenizer import load_tokenizer
+
+TOKENIZER = load_tokenizer()
+
+
+def stream(text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], TextStream]:
+    s = TextStream(TOKENIZER, stop)
+    pieces = [s.push(t) for t in TOKENIZER.encode(text)]
+    return [*pieces, s.finish()], s
+
+
+def test_characters_split_across_tokens_are_emitted_whole():
+    text = "日本語 🦙🚀 ok"
+    ids = TOKENIZER.encode(text)
+    # The premise: some of these tokens are not valid UTF-8 on their own.
+    assert any(not _valid(TOKENIZER.decode_single_token_bytes(t)) for t in ids)
+    pieces, _ = stream(text)
+    assert "".join(pieces) == text
+    assert all(_valid(p.encode()) and "\ufffd" not in p for p in pieces)
+
+
+def _valid(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "expected"),
+    [
+        ("Hello world. STOP and more", ("STOP",), "Hello world. "),
+        ("one, two, three", ("three", ", t"), "one"),  # the earliest stop wins
+        ("no stop here", ("xyz",), "no stop here"),
+        ("ends with a partial ST", ("STOP",), "ends with a partial ST"),  # held back, then released
+    ],
+)
+def test_stop_strings(text, stops, expected):
+    pieces, s = stream(text, stops)
+    assert "".join(pieces) == s.text == expected
+    assert s.stopped == (expected != text)
+
+
+def test_text_that_may_start_a_stop_string_is_held_back():
+    s = TextStream(TOKENIZER, ("</end>",))
+    released = "".join(s.push(t) for t in TOKENIZER.encode("answer </"))
+    assert released == "answer "  # "</" could still become "</end>"
+    assert "".join(s.push(t) for t in TOKENIZER.encode("end>")) == "" and s.stopped
