@@ -31,7 +31,7 @@ class Engine:
         self.max_context = model.config.n_positions
         self.blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_cache)
         self.scheduler = Scheduler(self.blocks, settings.max_batch_size, settings.max_batch_tokens)
-        model.allocate_kv_cache(num_blocks * settings.block_size)
+        model.allocate_kv_cache(num_blocks, settings.block_size)
         self.num_steps = 0
 
     @classmethod

@@ -35,24 +35,23 @@ def build_step_batch(seqs: list[Sequence], block_size: int, device: torch.device
     )
 
 
-def _key_slots(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache slots of every key each sequence attends to, padded; and the context lengths."""
+def _key_blocks(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's blocks up to its context, padded with block 0; and the context lengths."""
     context = torch.tensor([len(s.token_ids) for s in seqs])  # [B]
     width = -(-int(context.max()) // block_size)
-    tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs])
-    slots = (tables.unsqueeze(2) * block_size + torch.arange(block_size)).view(len(seqs), -1)  # [B, blocks*bs]
-    return slots[:, : int(context.max())], context  # [B, Lk], [B]
+    tables = [s.block_table[:width] for s in seqs]
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables]), context  # [B, nb], [B]
 
 
 def _decode_group(seqs: list[Sequence], block_size: int, first_row: int) -> tuple:
-    key_slots, context = _key_slots(seqs, block_size)  # [B, Lk], [B]
+    key_blocks, context = _key_blocks(seqs, block_size)  # [B, nb], [B]
     query_index = torch.arange(first_row, first_row + len(seqs)).unsqueeze(1)  # [B, 1]
-    mask = torch.arange(key_slots.shape[1]) < context.unsqueeze(1)  # [B, Lk]
-    return query_index, key_slots, mask[:, None, None, :], None  # mask [B, 1, 1, Lk]
+    mask = torch.arange(key_blocks.shape[1] * block_size) < context.unsqueeze(1)  # [B, Lk]
+    return query_index, key_blocks, mask[:, None, None, :], None  # mask [B, 1, 1, Lk]
 
 
 def _prefill_group(seqs: list[Sequence], block_size: int) -> tuple:
-    key_slots, context = _key_slots(seqs, block_size)  # [B, Lk], [B]
+    key_blocks, context = _key_blocks(seqs, block_size)  # [B, nb], [B]
     new = torch.tensor([s.num_new_tokens for s in seqs])  # [B]
     first_row = torch.cumsum(new, 0) - new  # [B]
     longest = int(new.max())
@@ -60,9 +59,9 @@ def _prefill_group(seqs: list[Sequence], block_size: int) -> tuple:
     real = i < new.unsqueeze(1)  # [B, Lq]
     query_index = torch.where(real, first_row.unsqueeze(1) + i, 0)  # [B, Lq]
     query_pos = context.unsqueeze(1) - new.unsqueeze(1) + i  # [B, Lq] position of each query
-    key_pos = torch.arange(key_slots.shape[1])  # [Lk]
+    key_pos = torch.arange(key_blocks.shape[1] * block_size)  # [Lk]
     # Causal, which also hides padded keys from real queries; padded queries see key 0
     # at least (so no NaN) and their rows are dropped.
     mask = key_pos <= query_pos.unsqueeze(2)  # [B, Lq, Lk]
     valid_rows = real.flatten().nonzero().squeeze(1)  # [rows]
-    return query_index, key_slots, mask.unsqueeze(1), valid_rows
+    return query_index, key_blocks, mask.unsqueeze(1), valid_rows

@@ -51,8 +51,8 @@ class AttentionGroup:
     """
 
     query_index: torch.Tensor  # [B, Lq] flat row of each query (padding points at row 0)
-    key_slots: torch.Tensor  # [B, Lk] cache slot of each key (padding points at slot 0)
-    mask: torch.Tensor  # [B, 1, Lq, Lk] True where the query may attend
+    key_blocks: torch.Tensor  # [B, nb] cache blocks holding each sequence's keys (padding: block 0)
+    mask: torch.Tensor  # [B, 1, Lq, Lk] True where the query may attend; Lk = nb * block size
     valid_rows: torch.Tensor | None  # [N] rows of the [B*Lq] padded output that are real
 
 
@@ -77,9 +77,9 @@ class CausalSelfAttention(nn.Module):
         T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=1)  # 3 x [T, C]
         q = q.view(T, self.n_head, self.head_dim)  # [T, H, D]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [S, H, D] each, S = cache slots
-        k_cache[batch.slot_mapping] = k.view(T, self.n_head, self.head_dim)
-        v_cache[batch.slot_mapping] = v.view(T, self.n_head, self.head_dim)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, bs, H, D] each
+        k_cache.view(-1, self.n_head, self.head_dim)[batch.slot_mapping] = k.view(T, self.n_head, self.head_dim)
+        v_cache.view(-1, self.n_head, self.head_dim)[batch.slot_mapping] = v.view(T, self.n_head, self.head_dim)
         outputs = [self._attend(q, k_cache, v_cache, group) for group in batch.groups]
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, C]
         return self.c_proj(y)
@@ -87,9 +87,11 @@ class CausalSelfAttention(nn.Module):
     @staticmethod
     def _attend(q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
         B, Lq = group.query_index.shape
+        _, _, H, D = k_cache.shape
+        blocks = group.key_blocks.flatten()  # whole blocks: contiguous copies, far faster than per-key gathers
         q = q[group.query_index].transpose(1, 2)  # [B, H, Lq, D]
-        k = k_cache[group.key_slots].transpose(1, 2)  # [B, H, Lk, D]
-        v = v_cache[group.key_slots].transpose(1, 2)  # [B, H, Lk, D]
+        k = k_cache.index_select(0, blocks).view(B, -1, H, D).transpose(1, 2)  # [B, H, Lk, D]
+        v = v_cache.index_select(0, blocks).view(B, -1, H, D).transpose(1, 2)  # [B, H, Lk, D]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)  # [B, H, Lq, D]
         y = y.transpose(1, 2).reshape(B * Lq, -1)  # [B*Lq, C]
         return y if group.valid_rows is None else y[group.valid_rows]  # [rows, C]
@@ -129,7 +131,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in the released checkpoints
-        self.kv_cache: torch.Tensor | None = None  # [L, 2, S, H, D]
+        self.kv_cache: torch.Tensor | None = None  # [L, 2, NB, bs, H, D]
 
     def init_random(self, seed: int) -> None:
         """nanoGPT's initialisation, from a private generator so the seed fixes the weights."""
@@ -144,9 +146,10 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std, generator=gen)
 
-    def allocate_kv_cache(self, num_slots: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c, p = self.config, self.wte.weight
-        self.kv_cache = torch.zeros(c.n_layer, 2, num_slots, c.n_head, c.head_dim, dtype=p.dtype, device=p.device)
+        shape = (c.n_layer, 2, num_blocks, block_size, c.n_head, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
