@@ -35,6 +35,8 @@ class Settings:
             raise ValueError(f"MODE must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.max_batch_tokens < 1024:
             raise ValueError("MAX_BATCH_TOKENS must be at least 1024 (one full context)")
+        if self.dtype not in ("", "float32", "float16", "bfloat16"):
+            raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
 
