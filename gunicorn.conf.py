@@ -6,7 +6,10 @@ import sys
 from config import Settings
 from model.loader import ModelLoadError, resolve_model
 
-settings = Settings.from_env()
+try:
+    settings = Settings.from_env()
+except ValueError as err:  # a bad setting is one clear line, not a traceback
+    sys.exit(f"error: {err}")
 
 bind = f"{settings.host}:{settings.port}"
 workers = 1  # one model, one KV cache, one batching loop
