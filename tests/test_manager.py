@@ -20,7 +20,8 @@ def wait_until(condition, deadline_s: float = 30) -> None:
 @pytest.fixture
 def make_app(tiny_checkpoint):
     def make(**settings):
-        app = create_app(Settings(model=str(tiny_checkpoint), kv_cache_blocks=256, **settings))
+        settings.setdefault("kv_cache_blocks", 256)
+        app = create_app(Settings(model=str(tiny_checkpoint), **settings))
         return app, app.extensions["server"].manager
 
     return make
@@ -75,3 +76,11 @@ def test_request_over_its_timeout_is_aborted_with_504_and_frees_its_blocks(make_
     assert engine.blocks.num_used_blocks == 0
     assert app.test_client().get("/health").status_code == 200
     assert post(app, {"prompt": "next", "num_tokens": 3}).status_code == 200
+
+
+def test_request_that_could_never_fit_the_pool_is_refused_at_once(make_app):
+    app, manager = make_app(kv_cache_blocks=4, block_size=16)  # 64 tokens in all
+    refused = post(app, {"prompt": "a b c d", "num_tokens": 61})
+    assert refused.status_code == 400 and "whole KV cache (64 tokens)" in refused.get_json()["error"]["message"]
+    assert post(app, {"prompt": "a b c d", "num_tokens": 60}).status_code == 200
+    assert not manager.engine.has_work()
