@@ -5,6 +5,7 @@ import queue
 import time
 import uuid
 from collections.abc import Iterator
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 from flask import Blueprint, Response, jsonify, request
@@ -17,6 +18,7 @@ from generate.sequence import SamplingParams
 
 routes = Blueprint("openai", __name__)
 MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 5
 
 
 class CompletionRequest(NamedTuple):
@@ -33,8 +35,10 @@ def parse_completion(body: Any, srv: Server) -> CompletionRequest:
         raise bad(f"'model' must be {srv.engine.model_name!r} (the served model) or omitted, got {model!r}", "model")
     if body.get("n", 1) != 1:
         raise bad(f"'n' must be 1: one completion per request, got {body.get('n')!r}", "n")
-    if body.get("logprobs") not in (None, 0):
-        raise bad("'logprobs' is not supported by this server", "logprobs")
+    logprobs = None if body.get("logprobs") is None else integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    stream = boolean(body, "stream", False)
+    if stream and logprobs is not None:
+        raise bad("'logprobs' is available without streaming only", "logprobs")
     return CompletionRequest(
         prompt_ids=_prompt_ids(body.get("prompt"), srv),
         params=SamplingParams(
@@ -44,9 +48,10 @@ def parse_completion(body: Any, srv: Server) -> CompletionRequest:
             top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
             seed=optional_seed(body),
             stop_at_eos=not boolean(body, "ignore_eos", False),
+            logprobs=logprobs,
         ),
         stop=_stop_strings(body.get("stop")),
-        stream=boolean(body, "stream", False),
+        stream=stream,
     )
 
 
@@ -96,13 +101,32 @@ def completions():
     n_prompt, n_done = len(req.prompt_ids), len(inf.generated_ids)
     return jsonify(
         **head,
-        choices=[_choice(inf.text.text, inf.finish_reason)],
+        choices=[_choice(inf.text.text, inf.finish_reason, _logprobs(srv, inf))],
         usage={"prompt_tokens": n_prompt, "completion_tokens": n_done, "total_tokens": n_prompt + n_done},
     )
 
 
-def _choice(text: str, finish_reason: str | None) -> dict:
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+def _choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def _logprobs(srv: Server, inf: Inference) -> dict | None:
+    """The OpenAI completions `logprobs` object, for the tokens that made the text."""
+    top_n = inf.params.logprobs
+    if top_n is None:
+        return None
+    ids, entries = inf.generated_ids, inf.seq.logprobs
+    if inf.seq.finish_reason == "stop":  # the end-of-text token is no text
+        ids, entries = ids[:-1], entries[:-1]
+    piece = lambda t: srv.tokenizer.decode_single_token_bytes(t).decode("utf-8", errors="replace")
+    tokens = [piece(t) for t in ids]
+    offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries] if top_n else None,
+        "text_offset": offsets,
+    }
 
 
 def _events(srv: Server, inf: Inference, head: dict) -> Iterator[str]:

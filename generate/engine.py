@@ -7,9 +7,9 @@ from typing import NamedTuple
 import torch
 
 from config import Settings
-from generate.sampling import sample
+from generate.sampling import sample, top_logprobs
 from generate.scheduler import Scheduler
-from generate.sequence import SamplingParams, Sequence, Status
+from generate.sequence import SamplingParams, Sequence, Status, TokenLogprobs
 from generate.step_input import build_step_batch
 from kvcache.block_manager import BlockManager
 from model.gpt2 import GPT
@@ -83,7 +83,9 @@ class Engine:
             return []
         seqs.sort(key=lambda s: s.num_new_tokens == 1)  # prefills first, as the batch wants
         logits = self.model(build_step_batch(seqs, self.blocks.block_size, self.device))  # [N, V]
-        tokens = sample(logits, *self._sampling_tensors(seqs)).tolist()
+        sampled = sample(logits, *self._sampling_tensors(seqs))  # [N]
+        self._record_logprobs(seqs, logits, sampled)
+        tokens = sampled.tolist()
         self.num_steps += 1
         for seq, token in zip(seqs, tokens):
             seq.num_computed_tokens = len(seq.token_ids)
@@ -92,6 +94,17 @@ class Engine:
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)
         return [StepResult(s, t) for s, t in zip(seqs, tokens)]
+
+    @staticmethod
+    def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, sampled: torch.Tensor) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return
+        n = max(seqs[i].params.logprobs for i in rows)
+        chosen, top_ids, top_values = top_logprobs(logits[rows], sampled[rows], n)
+        for i, logprob, ids, values in zip(rows, chosen.tolist(), top_ids.tolist(), top_values.tolist()):
+            k = seqs[i].params.logprobs
+            seqs[i].logprobs.append(TokenLogprobs(logprob, tuple(zip(ids[:k], values[:k]))))
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
         params = [s.params for s in seqs]

@@ -50,3 +50,14 @@ def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(uniform.to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))
     # cdf[i] > target with cdf[i-1] <= target implies probs[i] > 0: masked tokens never win
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [N]
+
+
+def top_logprobs(
+    logits: torch.Tensor,  # [N, V]
+    tokens: torch.Tensor,  # [N] the chosen tokens
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [N], [N, n], [N, n]
+    """Log-probability of each chosen token, and the n most likely tokens' ids and log-probabilities."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+    top = logprobs.topk(n, dim=-1)  # [N, n]
+    return logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top.indices, top.values

@@ -4,6 +4,7 @@ import enum
 import itertools
 import secrets
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -18,9 +19,18 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     seed: int | None = None  # None: a fresh random seed
     stop_at_eos: bool = False
+    logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1 and self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1
+        assert self.logprobs is None or self.logprobs >= 0
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities under the model's own distribution (before temperature, top-k, top-p)."""
+
+    logprob: float  # of the token that was chosen
+    top: tuple[tuple[int, float], ...]  # the most likely tokens, most likely first
 
 
 class Status(enum.Enum):
@@ -47,6 +57,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, taken from the prefix cache at admission
     num_committed_blocks: int = 0
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if asked for
 
     def __post_init__(self) -> None:
         assert self.token_ids, "a sequence needs at least one prompt token"

@@ -7,6 +7,7 @@ import time
 import openai
 import pytest
 import requests
+import torch
 
 from client.launch import running_server
 from model.tokenizer import load_tokenizer
@@ -46,6 +47,21 @@ def test_greedy_completion_equals_transformers(client, model, hf_greedy):
     assert result.object == "text_completion" and result.model == model
     n = len(TOKENIZER.encode(PROMPT))
     assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (n, 30, n + 30)
+
+
+def test_logprobs_equal_transformers_log_softmax(client, model, hf_model, hf_greedy):
+    prompt_ids = TOKENIZER.encode(PROMPT)
+    result = complete(client, model, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2)
+    logprobs = result.choices[0].logprobs
+    generated = hf_greedy(prompt_ids, 10)
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_model(torch.tensor([prompt_ids + generated])).logits[0], dim=-1)
+    expected = [reference[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(generated)]
+    assert logprobs.token_logprobs == pytest.approx(expected, abs=1e-3)
+    assert "".join(logprobs.tokens) == result.choices[0].text
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset[1] == len(logprobs.tokens[0])
+    for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(chosen)  # greedy takes the likeliest
 
 
 def test_token_id_prompt_equals_text_prompt(client, model):
@@ -100,7 +116,8 @@ def test_seeded_sampling_is_reproducible(client, model):
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 3}, "temperature"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"logprobs": 3}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": 2, "stream": True}, "logprobs"),
     ],
 )
 def test_bad_requests_raise_bad_request_error(client, model, kwargs, param):
