@@ -43,8 +43,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, deadline_s: float 
     raise TimeoutError(f"server not healthy within {deadline_s} s:\n{log.read_text()[-3000:]}")
 
 
-@contextlib.contextmanager
-def running_server(mode: str, log_dir: Path, **settings: str) -> Iterator[str]:
+def start_server(mode: str, log_dir: Path, **settings: str) -> tuple[subprocess.Popen, str]:
+    """./server.sh MODE on a free port, healthy; its process (a session leader) and its URL."""
     port = free_port()
     log = log_dir / f"server-{mode}-{port}.log"
     with log.open("w") as out:
@@ -59,12 +59,26 @@ def running_server(mode: str, log_dir: Path, **settings: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(mode: str, log_dir: Path, **settings: str) -> Iterator[str]:
+    proc, url = start_server(mode, log_dir, **settings)
+    try:
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)

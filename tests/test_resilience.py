@@ -1,10 +1,8 @@
 """A server that survives its clients: garbage, a soak at 256 in flight, and SIGTERM under load."""
 
 import json
-import os
 import random
 import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -14,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.launch import ROOT, free_port, running_server, server_env, wait_healthy
+from client.launch import running_server, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +98,10 @@ def test_soak_1000_requests_at_256_in_flight_all_answered_and_counted(url):
 
 
 def test_sigterm_under_load_exits_in_grace_and_leaves_no_client_hanging(tiny_checkpoint, tmp_path):
-    grace, port = 3, free_port()
-    env = server_env(MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="4096", PORT=str(port), SHUTDOWN_GRACE_S=str(grace))
-    log = tmp_path / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [str(ROOT / "server.sh"), "dynamic"],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
+    grace = 3
+    env = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "4096", "SHUTDOWN_GRACE_S": str(grace)}
+    proc, url = start_server("dynamic", tmp_path, **env)
     try:
-        wait_healthy(url, proc, log)
 
         def one(num_tokens: int) -> str:
             try:
@@ -141,4 +128,4 @@ def test_sigterm_under_load_exits_in_grace_and_leaves_no_client_hanging(tiny_che
         assert set(outcomes) <= {"200", "500", "503", "closed"}
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_server(proc)
