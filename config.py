@@ -6,11 +6,16 @@ from dataclasses import dataclass, fields, replace
 from dotenv import load_dotenv
 
 MODES = ("nobatch", "static", "dynamic")
+ENGINES = ("gpt2", "sim")
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     mode: str = "dynamic"
+    engine: str = "gpt2"  # gpt2: the real model; sim: a cost model's step times (sim/)
+    sim_model: str = "gpt2-medium"  # ENGINE=sim: a model in sim/models.toml
+    sim_gpu: str = "a100-80gb"  # ENGINE=sim: a GPU in sim/gpus.toml, or a profile file from sim.profiler
+    sim_num_gpus: int = 1  # ENGINE=sim: tensor-parallel GPUs; memory, FLOP/s and bandwidth scale with it
     model: str = ""  # empty: gpt2-medium from the hub, else random gpt2-medium weights
     host: str = "127.0.0.1"
     port: int = 8500
@@ -33,6 +38,12 @@ class Settings:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"MODE must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"ENGINE must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not self.sim_model or not self.sim_gpu:
+            raise ValueError("SIM_MODEL and SIM_GPU must not be empty")
+        if self.sim_num_gpus < 1:
+            raise ValueError(f"SIM_NUM_GPUS must be at least 1, got {self.sim_num_gpus}")
         if self.max_batch_tokens < 1024:
             raise ValueError("MAX_BATCH_TOKENS must be at least 1024 (one full context)")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):

@@ -4,6 +4,7 @@ import signal
 import sys
 
 from config import Settings
+from generate.engine import Engine
 from model.loader import ModelLoadError, resolve_model
 
 try:
@@ -24,10 +25,17 @@ accesslog = None
 
 
 def on_starting(server) -> None:
-    """Resolve (and download) the model before forking, so a bad MODEL is one clear line."""
+    """Resolve (and download) the model before forking, so a bad MODEL is one clear line.
+
+    ENGINE=sim: build the simulated engine once here instead (cheap: no tensors), so an
+    unknown SIM_MODEL or SIM_GPU, or a model too big for the simulated GPUs, is one line too.
+    """
     try:
-        resolve_model(settings.model)
-    except ModelLoadError as err:
+        if settings.engine == "sim":
+            Engine.simulated(settings, announce=False)
+        else:
+            resolve_model(settings.model)
+    except (ModelLoadError, ValueError) as err:  # ValueError: a ProfileError, or MAX_BATCH_TOKENS too small
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
 

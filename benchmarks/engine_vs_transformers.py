@@ -19,6 +19,7 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 from config import Settings
 from generate.engine import Engine
+from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams
 from model.gpt2 import GPT, PRESETS
 from model.loader import CONV1D_WEIGHTS, load_model
@@ -89,7 +90,8 @@ def make_engine(model: GPT, name: str, batch: int, context: int) -> Engine:
         max_batch_tokens=max(1024, batch * context),
         prefix_cache=False,  # repeated prompts must not skip their prefill
     )
-    return Engine(model, settings.kv_cache_blocks, settings, name, is_random=True)
+    runner = ModelRunner(model, settings.kv_cache_blocks, settings.block_size)
+    return Engine(runner, settings.kv_cache_blocks, settings, name, is_random=True)
 
 
 def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:

@@ -16,6 +16,7 @@ import torch
 
 from config import Settings
 from generate.engine import Engine, kv_cache_blocks
+from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
 from model.loader import load_model
 from model.tokenizer import load_tokenizer
@@ -94,7 +95,8 @@ def main() -> None:
         for cache in (False, True):
             settings = Settings(kv_cache_gb=args.kv_cache_gb, prefix_cache=cache)
             num_blocks = kv_cache_blocks(settings, loaded.model, torch.device("cpu"), torch.float32)
-            engine = Engine(loaded.model, num_blocks, settings, loaded.name)
+            runner = ModelRunner(loaded.model, num_blocks, settings.block_size)
+            engine = Engine(runner, num_blocks, settings, loaded.name)
             results[cache] = r = run(engine, prompts, args.new_tokens)
             print(
                 f"{kind:<10}{'on' if cache else 'off':>6}{r.tokens_per_s:>9.1f}{r.ttft_p50_s:>12.2f}"

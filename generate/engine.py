@@ -1,22 +1,36 @@
-"""The engine: a model, its paged KV cache and a scheduler, advanced one step at a time."""
+"""The engine: a runner (the model, or a simulation of one), its paged KV cache and a scheduler,
+advanced one step at a time."""
 
 import logging
 from collections.abc import Sequence as Seq
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from config import Settings
-from generate.sampling import sample, top_logprobs
+from generate.model_runner import ModelRunner
 from generate.scheduler import Scheduler
-from generate.sequence import SamplingParams, Sequence, Status, TokenLogprobs
-from generate.step_input import build_step_batch
+from generate.sequence import SamplingParams, Sequence, Status
 from kvcache.block_manager import BlockManager
 from model.gpt2 import GPT
 from model.loader import load_model
 from model.tokenizer import load_tokenizer
+from sim.memory import sim_kv_blocks
+from sim.runner import SimRunner
 
 log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What computes a step: given the scheduled sequences (prefills first), the next token of each.
+
+    It reads each sequence's block table and computed-token count, and records logprobs on
+    the sequences that ask for them; the engine does all the bookkeeping around it.
+    """
+
+    max_context: int
+
+    def run(self, seqs: list[Sequence]) -> list[int]: ...
 
 
 class StepResult(NamedTuple):
@@ -25,19 +39,25 @@ class StepResult(NamedTuple):
 
 
 class Engine:
-    def __init__(self, model: GPT, num_blocks: int, settings: Settings, model_name: str = "", is_random: bool = False):
-        self.model, self.model_name, self.is_random, self.settings = model, model_name, is_random, settings
-        self.device = model.wte.weight.device
-        self.max_context = model.config.n_positions
+    def __init__(
+        self, runner: Runner, num_blocks: int, settings: Settings, model_name: str = "", is_random: bool = False
+    ):
+        if settings.max_batch_tokens < runner.max_context:  # prefills are not chunked
+            raise ValueError(
+                f"MAX_BATCH_TOKENS ({settings.max_batch_tokens}) must cover one full context of "
+                f"{model_name or 'the model'} ({runner.max_context} tokens)"
+            )
+        self.runner, self.model_name, self.is_random, self.settings = runner, model_name, is_random, settings
+        self.max_context = runner.max_context
         self.blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_cache)
         self.scheduler = Scheduler(self.blocks, settings.max_batch_size, settings.max_batch_tokens)
-        model.allocate_kv_cache(num_blocks, settings.block_size)
         self.num_steps = 0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Engine":
-        device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = getattr(torch, settings.dtype or ("float16" if device.type == "cuda" else "float32"))
+        if settings.engine == "sim":
+            return cls.simulated(settings)
+        device, dtype = device_and_dtype(settings)
         loaded = load_model(settings.model, device, dtype, settings.seed)
         num_blocks = kv_cache_blocks(settings, loaded.model, device, dtype)
         log.info(
@@ -48,7 +68,24 @@ class Engine:
             num_blocks,
             settings.block_size,
         )
-        return cls(loaded.model, num_blocks, settings, loaded.name, loaded.is_random)
+        runner = ModelRunner(loaded.model, num_blocks, settings.block_size)
+        return cls(runner, num_blocks, settings, loaded.name, loaded.is_random)
+
+    @classmethod
+    def simulated(cls, settings: Settings, announce: bool = True) -> "Engine":
+        """ENGINE=sim: the real scheduler and KV bookkeeping over a runner that sleeps a cost model's step time."""
+        runner = SimRunner.from_settings(settings)
+        num_blocks = sim_kv_blocks(settings, runner.gpu, runner.model, runner.num_gpus)
+        if announce:
+            for line in (
+                "=" * 72,
+                f"SIMULATED ENGINE {runner.name}: no model runs, the tokens are deterministic filler.",
+                "Each step sleeps for the time a cost model predicts: timings are a model, not a measurement.",
+                f"KV cache: {num_blocks} blocks of {settings.block_size} tokens (GPU memory minus weights)",
+                "=" * 72,
+            ):
+                log.warning(line)
+        return cls(runner, num_blocks, settings, runner.name)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request can never run here, or None if it can."""
@@ -77,15 +114,13 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepResult]:
-        """Schedule, run the model once over every scheduled sequence, sample, retire finished."""
+        """Schedule, run the model once over every scheduled sequence, retire finished."""
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
         seqs.sort(key=lambda s: s.num_new_tokens == 1)  # prefills first, as the batch wants
-        logits = self.model(build_step_batch(seqs, self.blocks.block_size, self.device))  # [N, V]
-        sampled = sample(logits, *self._sampling_tensors(seqs))  # [N]
-        self._record_logprobs(seqs, logits, sampled)
-        tokens = sampled.tolist()
+        tokens = self.runner.run(seqs)
+        assert len(tokens) == len(seqs)
         self.num_steps += 1
         for seq, token in zip(seqs, tokens):
             seq.num_computed_tokens = len(seq.token_ids)
@@ -94,28 +129,6 @@ class Engine:
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)
         return [StepResult(s, t) for s, t in zip(seqs, tokens)]
-
-    @staticmethod
-    def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, sampled: torch.Tensor) -> None:
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not rows:
-            return
-        n = max(seqs[i].params.logprobs for i in rows)
-        chosen, top_ids, top_values = top_logprobs(logits[rows], sampled[rows], n)
-        for i, logprob, ids, values in zip(rows, chosen.tolist(), top_ids.tolist(), top_values.tolist()):
-            k = seqs[i].params.logprobs
-            seqs[i].logprobs.append(TokenLogprobs(logprob, tuple(zip(ids[:k], values[:k]))))
-
-    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
-        params = [s.params for s in seqs]
-        uniform = [float(torch.rand((), generator=s.generator)) if s.params.temperature > 0 else 0.0 for s in seqs]
-        to = dict(device=self.device)
-        return (
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, **to),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, **to),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, **to),
-            torch.tensor(uniform, dtype=torch.float64, **to),
-        )
 
     def generate(self, prompts: Seq[Seq[int] | str], params: SamplingParams | Seq[SamplingParams]) -> list[list[int]]:
         """Generate for every prompt (token ids or text) through the scheduler; completions in order."""
@@ -127,6 +140,12 @@ class Engine:
         while self.has_work():
             self.step()
         return [seq.completion_ids for seq in seqs]
+
+
+def device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
+    """DEVICE and DTYPE, or their defaults: cuda if available, else cpu; float16 on cuda, float32 on cpu."""
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, getattr(torch, settings.dtype or ("float16" if device.type == "cuda" else "float32"))
 
 
 def kv_cache_blocks(settings: Settings, model: GPT, device: torch.device, dtype: torch.dtype) -> int:

@@ -9,6 +9,7 @@ from conftest import random_prompts
 
 from config import Settings
 from generate.engine import Engine
+from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
 from generate.step_input import build_step_batch
 from model.loader import ModelLoadError, load_model, resolve_model
@@ -18,7 +19,8 @@ CPU = torch.device("cpu")
 
 def make_engine(checkpoint, num_blocks=256, block_size=4, **settings) -> Engine:
     loaded = load_model(str(checkpoint), CPU, torch.float32)
-    return Engine(loaded.model, num_blocks, Settings(block_size=block_size, **settings), loaded.name)
+    runner = ModelRunner(loaded.model, num_blocks, block_size)
+    return Engine(runner, num_blocks, Settings(block_size=block_size, **settings), loaded.name)
 
 
 def logits_of(engine: Engine, seq: Sequence, start: int, end: int) -> torch.Tensor:
@@ -26,7 +28,7 @@ def logits_of(engine: Engine, seq: Sequence, start: int, end: int) -> torch.Tens
     seq.num_computed_tokens = start
     batch = build_step_batch([_upto(seq, end)], engine.blocks.block_size, CPU)
     batch.logits_rows = torch.arange(end - start)
-    return engine.model(batch)
+    return engine.runner.model(batch)
 
 
 def _upto(seq: Sequence, end: int) -> Sequence:

@@ -1,0 +1,54 @@
+"""SimRunner: the model runner's interface, with a cost model's step time and deterministic tokens.
+
+Everything around it is real: the scheduler, the block manager and its prefix trie, the
+batching manager, the API. Only the model is replaced: a step sleeps for the time the cost
+model gives the scheduled sequences on the simulated GPUs, then returns, for each sequence,
+a token that depends only on its last token and its length. That token is never
+<|endoftext|>, so every request runs to its max_tokens, and temperature, top-k, top-p and
+seed change nothing. The text is GPT-2-tokenizer filler whatever model is simulated: the
+simulation is of time and memory, not of words.
+"""
+
+import time
+from collections.abc import Callable
+
+from config import Settings
+from generate.sequence import Sequence, TokenLogprobs
+from model.tokenizer import EOT_ID
+from sim.cost import StepCost, step_cost
+from sim.profiles import GpuProfile, ModelProfile, load_gpu, load_model
+
+
+def next_token(token_ids: list[int]) -> int:
+    """The simulated model's choice: a cheap mix of the last token and the position, below EOT_ID."""
+    return (token_ids[-1] * 7919 + len(token_ids) * 104729) % EOT_ID
+
+
+class SimRunner:
+    def __init__(
+        self, gpu: GpuProfile, model: ModelProfile, num_gpus: int = 1, sleep: Callable[[float], None] = time.sleep
+    ):
+        self.gpu, self.model, self.num_gpus, self.sleep = gpu, model, num_gpus, sleep
+        self.max_context = model.context_len
+        gpus = f"{num_gpus}x{gpu.name}" if num_gpus > 1 else gpu.name
+        self.name = f"sim:{model.name}@{gpus}"  # reported everywhere, so no one takes the timings for real ones
+        self.simulated_s = 0.0  # total step time slept so far
+
+    @classmethod
+    def from_settings(cls, settings: Settings, sleep: Callable[[float], None] = time.sleep) -> "SimRunner":
+        return cls(load_gpu(settings.sim_gpu), load_model(settings.sim_model), settings.sim_num_gpus, sleep)
+
+    def cost(self, seqs: list[Sequence]) -> StepCost:
+        return step_cost(self.gpu, self.model, [(s.num_new_tokens, len(s.token_ids)) for s in seqs], self.num_gpus)
+
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        seconds = self.cost(seqs).total_s
+        self.sleep(seconds)
+        self.simulated_s += seconds
+        tokens = [next_token(s.token_ids) for s in seqs]
+        for seq, token in zip(seqs, tokens):
+            if seq.params.logprobs is not None:
+                # The simulated model is deterministic: the chosen token has probability 1.
+                top = ((token, 0.0),) if seq.params.logprobs else ()
+                seq.logprobs.append(TokenLogprobs(0.0, top))
+        return tokens
