@@ -20,7 +20,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8500
     device: str = ""  # empty: cuda if available, else cpu
-    dtype: str = ""  # empty: float16 on cuda, float32 on cpu
+    dtype: str = ""  # empty: float16 on cuda, float32 on cpu; ENGINE=sim: the simulated model's (16-bit)
     max_batch_size: int = 256
     max_batch_tokens: int = 2048  # tokens computed per step; must cover one full context
     kv_cache_gb: float = 0.0  # 0: 4 GB on cpu, 90% of free memory on cuda

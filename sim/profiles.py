@@ -2,7 +2,7 @@
 
 import json
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -95,11 +95,16 @@ def load_gpu(spec: str) -> GpuProfile:
     return _build(GpuProfile, name, entry)
 
 
-def load_model(name: str) -> ModelProfile:
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def load_model(name: str, dtype: str = "") -> ModelProfile:
+    """A model by its name in sim/models.toml; `dtype` (a DTYPE setting) overrides its bytes per parameter."""
     table = _read(MODELS_FILE)
     if name not in table:
         raise ProfileError(f"unknown model {name!r}: expected one of {', '.join(table)}")
-    return _build(ModelProfile, name, table[name])
+    model = _build(ModelProfile, name, table[name])
+    return replace(model, bytes_per_param=DTYPE_BYTES[dtype]) if dtype else model
 
 
 def write_gpu_profile(path: Path, gpu: GpuProfile, measured: dict) -> None:

@@ -36,7 +36,8 @@ class SimRunner:
 
     @classmethod
     def from_settings(cls, settings: Settings, sleep: Callable[[float], None] = time.sleep) -> "SimRunner":
-        return cls(load_gpu(settings.sim_gpu), load_model(settings.sim_model), settings.sim_num_gpus, sleep)
+        model = load_model(settings.sim_model, settings.dtype)
+        return cls(load_gpu(settings.sim_gpu), model, settings.sim_num_gpus, sleep)
 
     def cost(self, seqs: list[Sequence]) -> StepCost:
         return step_cost(self.gpu, self.model, [(s.num_new_tokens, len(s.token_ids)) for s in seqs], self.num_gpus)

@@ -6,13 +6,14 @@ batch at a context one longer than the last. (The engine does exactly this when
 MAX_BATCH_TOKENS covers batch x prompt tokens and nothing else is running.)
 
     python -m sim.simulate --gpu a100-80gb --model llama-65b --num-gpus 2 --prompt 512 --response 128 --batch 8
+    python -m sim.simulate --gpu profiles/cpu.toml --model gpt2 --dtype float32 --prompt 128 --response 64 --batch 4
 """
 
 import argparse
 from typing import NamedTuple
 
 from sim.cost import step_cost
-from sim.profiles import GpuProfile, ModelProfile, load_gpu, load_model
+from sim.profiles import DTYPE_BYTES, GpuProfile, ModelProfile, load_gpu, load_model
 
 
 class Prediction(NamedTuple):
@@ -39,11 +40,12 @@ def main() -> None:
     parser.add_argument("--gpu", default="a100-80gb", help="a name in sim/gpus.toml or a profile file")
     parser.add_argument("--model", default="llama-65b", help="a name in sim/models.toml")
     parser.add_argument("--num-gpus", type=int, default=1, help="tensor-parallel GPUs")
+    parser.add_argument("--dtype", default="", choices=["", *DTYPE_BYTES], help="default: the model's (fp16)")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--response", type=int, default=128, help="generated tokens per request")
     parser.add_argument("--batch", type=int, default=1, help="identical requests admitted together")
     args = parser.parse_args()
-    gpu, model = load_gpu(args.gpu), load_model(args.model)
+    gpu, model = load_gpu(args.gpu), load_model(args.model, args.dtype)
     p = simulate(gpu, model, args.prompt, args.response, args.batch, args.num_gpus)
     kv_gb = args.batch * (args.prompt + args.response) * model.kv_bytes_per_token / 1e9
     print(

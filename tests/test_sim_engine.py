@@ -109,6 +109,15 @@ def test_from_settings_sizes_the_pool_and_names_the_simulation():
     )
 
 
+def test_dtype_sets_the_simulated_precision():
+    half = Engine.from_settings(Settings(engine="sim", sim_model="gpt2", sim_gpu="a5000"))
+    full = Engine.from_settings(Settings(engine="sim", sim_model="gpt2", sim_gpu="a5000", dtype="float32"))
+    assert (half.runner.model.bytes_per_param, full.runner.model.bytes_per_param) == (2, 4)
+    # 24 GiB x 90% less the weights, over the KV bytes of a 16-token block
+    assert half.blocks.num_blocks == int((0.9 * 24 * 2**30 - 124_439_808 * 2) // (16 * 2 * 12 * 768 * 2))
+    assert full.blocks.num_blocks == int((0.9 * 24 * 2**30 - 124_439_808 * 4) // (16 * 2 * 12 * 768 * 4))
+
+
 def test_from_settings_refuses_what_cannot_run():
     with pytest.raises(ProfileError, match="does not fit"):
         Engine.from_settings(Settings(engine="sim", sim_model="llama-65b", sim_gpu="a100-80gb"))
