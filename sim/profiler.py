@@ -114,6 +114,7 @@ def measure(
             runner.skip = True
             engine.step()  # admits them all, lays out their caches; each now holds `context` tokens
             runner.skip = False
+            assert len(engine.scheduler.running) == batch, "the whole batch must decode together"
             timed_step()  # warm-up
             times = [timed_step() for _ in range(repeats)]
             middle = context + 1 + repeats // 2  # context of the median-ish step
