@@ -122,7 +122,7 @@ def parse_slo(text: str) -> tuple[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=WORKLOADS, default="seed-like")
-    parser.add_argument("--modes", help="comma-separated, from " + ", ".join(MODES) + " (default: all)")
+    parser.add_argument("--modes", help="comma-separated, from " + ", ".join(MODES) + " (default: the workload's)")
     parser.add_argument("--prefix-cache", help="PREFIX_CACHE settings to run each mode with, e.g. off,on")
     parser.add_argument("--batch-sizes", help="MAX_BATCH_SIZE values to run each mode with, e.g. 8,32,128")
     parser.add_argument("--url", help="measure the server running here instead of starting one per run")
@@ -143,7 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.numsamples = args.numsamples or spec.numsamples
     args.rate = args.rate or spec.rate
     args.mean_tokens = args.mean_tokens or spec.mean_tokens
-    args.modes = args.modes.split(",") if args.modes else list(MODES)
+    args.modes = args.modes.split(",") if args.modes else list(spec.modes)
     args.prefix_cache = args.prefix_cache.split(",") if args.prefix_cache else list(spec.prefix_cache)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else []
     args.slo = dict(args.slo)

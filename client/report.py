@@ -15,7 +15,7 @@ def results_tables(runs: list[dict[str, Any]], markdown: bool) -> str:
         s = run["summary"]
         row = [run["label"], str(s["requests_ok"]), str(s["requests_failed"]), f"{s['duration_s']:.1f}"]
         row += [f"{s['requests_per_s']:.2f}", f"{s['output_tokens_per_s']:.1f}", f"{s['total_tokens_per_s']:.1f}"]
-        rows.append(row + [f"{s['goodput_requests_per_s']:.2f}"] * goodput)
+        rows.append(row + ([f"{s['goodput_requests_per_s']:.2f}"] if goodput else []))
     latency_rows = []
     for run in runs:
         for name, key in LATENCIES:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import tiktoken
 
 from client.data import PromptData, arrival_offsets
+from config import MODES
 from model.tokenizer import load_tokenizer
 
 CONTEXT = 1024  # GPT-2's n_positions: a prompt and its completion must fit
@@ -38,14 +39,15 @@ class WorkloadSpec(NamedTuple):
     numsamples: int
     rate: float  # arrivals per second; inf sends all at once
     mean_tokens: float
+    modes: tuple[str, ...]  # the server modes it compares
     prefix_cache: tuple[str, ...]  # the PREFIX_CACHE settings each mode runs with
 
 
 WORKLOADS = {
-    "seed-like": WorkloadSpec(100, 1.0, 100.0, ("on",)),
-    "saturate": WorkloadSpec(256, math.inf, 100.0, ("on",)),
-    "shared-prefix": WorkloadSpec(100, math.inf, 16.0, ("off", "on")),
-    "sharegpt-like": WorkloadSpec(100, 1.0, 338.0, ("on",)),
+    "seed-like": WorkloadSpec(100, 1.0, 100.0, MODES, ("on",)),
+    "saturate": WorkloadSpec(256, math.inf, 100.0, MODES, ("on",)),
+    "shared-prefix": WorkloadSpec(100, math.inf, 16.0, ("dynamic",), ("off", "on")),
+    "sharegpt-like": WorkloadSpec(100, 1.0, 338.0, MODES, ("on",)),
 }
 
 
