@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,6 +36,8 @@ from client.stream import stream_completion  # noqa: E402
 from client.workloads import WORKLOADS, Workload, build  # noqa: E402
 from config import MODES, Settings  # noqa: E402
 from model.loader import resolve_model  # noqa: E402
+
+SETTING_NAMES = [f.name.upper() for f in fields(Settings)]
 
 
 class RunSpec(NamedTuple):
@@ -174,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     title = f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}"
     print(f"\n{title}\n{results_tables(runs, markdown=False)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python client/benchmark.py", *(argv if argv is not None else sys.argv[1:])])
+    # The server settings this process passes on, so the command in the report can be run again as it was.
+    settings = [f"{name}={os.environ[name]}" for name in SETTING_NAMES if os.environ.get(name)]
+    command = " ".join([*settings, "python client/benchmark.py", *(argv if argv is not None else sys.argv[1:])])
     results = {"title": title, "command": command, "machine": machine(), "args": vars(args), "runs": runs}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (args.out / "results.json").write_text(json.dumps(results, separators=(",", ":"), default=str))
     pictures = plot_all(runs, args.out)
     if args.report:
         write_report(args.out / "report.md", results, pictures)
