@@ -65,7 +65,7 @@ def test_bad_arguments_are_usage_errors(argv):
     assert exit_info.value.code == 2
 
 
-def test_a_short_benchmark_writes_results_plots_and_report(tiny_server_env, tmp_path, capsys):
+def test_a_short_benchmark_writes_results_plots_and_report(tiny_server_env, tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "bench"
     argv = ["--workload", "saturate", "--numsamples", "6", "--mean-tokens", "6", "--modes", "nobatch,dynamic"]
     argv += ["--baseline", "--baseline-batch", "4", "--slo", "ttft:60000", "--out", str(out), "--report"]
@@ -88,6 +88,7 @@ def test_a_short_benchmark_writes_results_plots_and_report(tiny_server_env, tmp_
         height, width, _ = imread(out / name).shape  # parses as an image
         assert height > 100 and width > 100
         assert f"]({name})" in (out / "report.md").read_text()
+    assert f"MODEL={tiny_checkpoint} KV_CACHE_BLOCKS=1024 python client/benchmark.py" in results["command"]
 
 
 def test_benchmark_measures_a_running_server_at_url(tiny_checkpoint, tmp_path):
