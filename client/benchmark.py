@@ -76,11 +76,10 @@ def record(
     args: argparse.Namespace,
     server_stats: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    summary = summarize(results, duration_s, args.slo)
     return {
         **spec._asdict(),
         "model": model,
-        "summary": {k: v._asdict() if isinstance(v, Summary) else v for k, v in summary.items()},
+        "summary": _as_json(summarize(results, duration_s, args.slo)),
         "server_stats": server_stats,
         "requests": [r._asdict() for r in results],
     }
@@ -141,6 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-batch", type=int, help="its static batch size (default: MAX_BATCH_SIZE)")
     parser.add_argument("--out", type=Path, help="where results.json and the plots go (default: results/WORKLOAD)")
     parser.add_argument("--report", action="store_true", help="also write report.md there, with table and plots")
+    parser.add_argument("--rebuild", type=Path, help="only recompute the tables and plots of the results.json here")
     args = parser.parse_args(argv)
     spec = WORKLOADS[args.workload]
     args.numsamples = args.numsamples or spec.numsamples
@@ -160,8 +160,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Every planned run, then the baseline; the whole record that results.json holds."""
     workload = build(args.workload, args.numsamples, args.rate, args.mean_tokens, args.seed)
     runs = []
     if args.url:
@@ -174,19 +174,49 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(measure(url, spec, workload, args))
     if args.baseline:  # after the servers stopped, so it has the device to itself
         runs.append(run_baseline(workload, args))
-    title = f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}"
-    print(f"\n{title}\n{results_tables(runs, markdown=False)}")
-    args.out.mkdir(parents=True, exist_ok=True)
     # The server settings this process passes on, so the command in the report can be run again as it was.
     settings = [f"{name}={os.environ[name]}" for name in SETTING_NAMES if os.environ.get(name)]
-    command = " ".join([*settings, "python client/benchmark.py", *(argv if argv is not None else sys.argv[1:])])
-    results = {"title": title, "command": command, "machine": machine(), "args": vars(args), "runs": runs}
-    (args.out / "results.json").write_text(json.dumps(results, separators=(",", ":"), default=str))
-    pictures = plot_all(runs, args.out)
-    if args.report:
-        write_report(args.out / "report.md", results, pictures)
-    print(f"results, plots{' and report' if args.report else ''} in {args.out}/")
-    return 1 if any(run["summary"]["requests_failed"] for run in runs) else 0
+    return {
+        "title": f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}",
+        "command": " ".join([*settings, "python client/benchmark.py", *argv]),
+        "machine": machine(),
+        "args": vars(args),
+        "runs": runs,
+    }
+
+
+def resummarize(results: dict[str, Any]) -> dict[str, Any]:
+    """`results` with every run's summary computed again from its raw requests (after the metrics changed)."""
+    for run in results["runs"]:
+        measured = [RequestResult(**r) for r in run["requests"]]
+        run["summary"] = _as_json(summarize(measured, run["summary"]["duration_s"], results["args"]["slo"]))
+    return results
+
+
+def _as_json(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v._asdict() if isinstance(v, Summary) else v for k, v in summary.items()}
+
+
+def publish(results: dict[str, Any], out: Path, report: bool) -> None:
+    """Print the tables; write results.json, the plots and, if asked, report.md into `out`."""
+    print(f"\n{results['title']}\n{results_tables(results['runs'], markdown=False)}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), default=str))
+    pictures = plot_all(results["runs"], out)
+    if report:
+        write_report(out / "report.md", results, pictures)
+    print(f"results, plots{' and report' if report else ''} in {out}/")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.rebuild:
+        results = resummarize(json.loads((args.rebuild / "results.json").read_text()))
+    else:
+        results = run_experiment(args, argv)
+    publish(results, args.rebuild or args.out, args.report)
+    return 1 if any(run["summary"]["requests_failed"] for run in results["runs"]) else 0
 
 
 if __name__ == "__main__":

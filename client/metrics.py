@@ -103,6 +103,8 @@ def summarize(
         "total_tokens_per_s": (input_tokens + output_tokens) / duration_s,
         "requests_per_s": len(ok) / duration_s,
         "latency_ms": describe([r.latency_s * 1000 for r in ok]),
+        # The original demo's "latency per token": what a request waited, queueing included, per token it got.
+        "latency_per_token_ms": describe([r.latency_s * 1000 / r.output_tokens for r in ok if r.output_tokens]),
         "ttft_ms": describe([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
         "tpot_ms": describe([t * 1000 for t in tpots]),
         "itl_ms": describe([gap * 1000 for r in ok for gap in r.itl_s]),

@@ -3,7 +3,13 @@
 from pathlib import Path
 from typing import Any
 
-LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "latency_ms"))
+LATENCIES = (
+    ("TTFT", "ttft_ms"),
+    ("TPOT", "tpot_ms"),
+    ("ITL", "itl_ms"),
+    ("E2EL", "latency_ms"),
+    ("E2EL/token", "latency_per_token_ms"),
+)
 
 
 def results_tables(runs: list[dict[str, Any]], markdown: bool) -> str:

@@ -107,3 +107,34 @@ def test_stream_records_a_refused_request_as_failed(tiny_checkpoint, tmp_path):
         too_long = stream_completion(url, Request([464] * 1000, 100, seed=1), temperature=1.0, timeout=60)
     assert good.ok and good.output_tokens == 12 and good.prompt_tokens == 3
     assert not too_long.ok and too_long.error.startswith("HTTP 400") and "context" in too_long.error
+
+
+def test_rebuild_recomputes_summaries_from_the_raw_requests(tmp_path):
+    results = {
+        "title": "hand-made",
+        "command": "python client/benchmark.py",
+        "machine": {"cpu": "x", "cpus": 1, "gpu": None, "torch": "t", "python": "p"},
+        "args": {"slo": {"ttft": 150}},
+        "runs": [
+            {
+                "label": "dynamic",
+                "mode": "dynamic",
+                "batch_size": None,
+                "model": "m",
+                "summary": {"duration_s": 2.0},  # all the rest is recomputed
+                "requests": [
+                    {"ok": True, "prompt_tokens": 4, "output_tokens": 3, "ttft_s": 0.1, "latency_s": 0.5,
+                     "error": None, "requested_tokens": 3, "itl_s": [0.2, 0.2], "sent_s": 0.0},
+                    {"ok": True, "prompt_tokens": 6, "output_tokens": 2, "ttft_s": 0.2, "latency_s": 0.3,
+                     "error": None, "requested_tokens": 2, "itl_s": [0.1], "sent_s": 0.5},
+                ],
+            }
+        ],
+    }  # fmt: skip
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main(["--rebuild", str(tmp_path), "--report"]) == 0
+    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert run["summary"]["total_tokens_per_s"] == pytest.approx((10 + 5) / 2.0)
+    assert run["summary"]["goodput_requests_per_s"] == pytest.approx(1 / 2.0)  # only the first met TTFT 150 ms
+    assert run["summary"]["itl_ms"]["mean"] == pytest.approx(500 / 3)
+    assert "| dynamic | TTFT | 150.0 | 150.0 |" in (tmp_path / "report.md").read_text()

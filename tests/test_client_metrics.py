@@ -150,6 +150,8 @@ def test_streamed_timeline_gives_ttft_tpot_and_pooled_itl():
     # Gaps pooled over both requests: 100, 100, 200, 400 ms; p99 at rank 2.97 between 200 and 400.
     assert summary["itl_ms"] == pytest.approx(Summary(mean=200, p50=150, p99=394))
     assert summary["latency_ms"] == pytest.approx(Summary(mean=1000, p50=1000, p99=1392))
+    # 600 ms over 4 tokens and 1400 ms over 2.
+    assert summary["latency_per_token_ms"] == pytest.approx(Summary(mean=425, p50=425, p99=150 + 0.99 * 550))
     # 20 prompt + 6 output tokens over 2 s.
     assert (summary["input_tokens"], summary["output_tokens"]) == (20, 6)
     assert summary["total_tokens_per_s"] == pytest.approx(13.0)
