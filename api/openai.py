@@ -26,6 +26,7 @@ class CompletionRequest(NamedTuple):
     params: SamplingParams
     stop: tuple[str, ...]
     stream: bool
+    include_usage: bool  # streaming: a last event with the token counts, as OpenAI's stream_options has it
 
 
 def parse_completion(body: Any, srv: Server) -> CompletionRequest:
@@ -52,6 +53,7 @@ def parse_completion(body: Any, srv: Server) -> CompletionRequest:
         ),
         stop=_stop_strings(body.get("stop")),
         stream=stream,
+        include_usage=_include_usage(body.get("stream_options"), stream),
     )
 
 
@@ -69,6 +71,18 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
         raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
     return tuple(stops)
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
+        raise bad("'stream_options' must be an object with at most the key 'include_usage'", "stream_options")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise bad("'stream_options.include_usage' must be true or false", "stream_options")
+    return options.get("include_usage", False)
 
 
 @routes.get("/v1/models")
@@ -96,14 +110,15 @@ def completions():
         "model": srv.engine.model_name,
     }
     if req.stream:
-        return Response(_events(srv, inf, head), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+        events = _events(srv, inf, head, req.include_usage)
+        return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
     wait(srv, inf)
-    n_prompt, n_done = len(req.prompt_ids), len(inf.generated_ids)
-    return jsonify(
-        **head,
-        choices=[_choice(inf.text.text, inf.finish_reason, _logprobs(srv, inf))],
-        usage={"prompt_tokens": n_prompt, "completion_tokens": n_done, "total_tokens": n_prompt + n_done},
-    )
+    return jsonify(**head, choices=[_choice(inf.text.text, inf.finish_reason, _logprobs(srv, inf))], usage=_usage(inf))
+
+
+def _usage(inf: Inference) -> dict:
+    n_prompt, n_done = len(inf.prompt_ids), len(inf.generated_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_done, "total_tokens": n_prompt + n_done}
 
 
 def _choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -129,7 +144,7 @@ def _logprobs(srv: Server, inf: Inference) -> dict | None:
     }
 
 
-def _events(srv: Server, inf: Inference, head: dict) -> Iterator[str]:
+def _events(srv: Server, inf: Inference, head: dict, include_usage: bool) -> Iterator[str]:
     """Server-sent events; a client that hangs up closes this generator, which cancels the request."""
     deadline = time.monotonic() + srv.settings.request_timeout_s
     try:
@@ -144,6 +159,8 @@ def _events(srv: Server, inf: Inference, head: dict) -> Iterator[str]:
         if inf.error:
             raise ApiError(500, inf.error, "server_error")
         yield _event({**head, "choices": [_choice("", inf.finish_reason)]})
+        if include_usage:
+            yield _event({**head, "choices": [], "usage": _usage(inf)})
     except ApiError as err:
         yield _event(err.body())
     finally:

@@ -1,87 +1,222 @@
-"""The batching experiment: the same deterministic workload against each scheduling mode.
+"""The batching experiment: one deterministic workload against each scheduling mode, and a baseline.
 
-For each mode it starts ./server.sh itself (settings from the environment, e.g.
-MODEL=random:gpt2), sends the workload, reads /stats, stops the server and moves on.
+For each run it starts ./server.sh itself (settings from the environment, e.g. MODEL=random:gpt2-medium),
+streams the workload through /v1/completions, reads /stats, stops the server and moves on; or, with
+--url, measures the server already running there. Prints a table and writes into --out the raw
+per-request measurements (results.json), the plots and, with --report, a Markdown report.
 
-python client/benchmark.py --workload seed-like               # 100 requests, Poisson 1 req/s
-python client/benchmark.py --workload saturate --numsamples 256
+python client/benchmark.py --workload seed-like --baseline --report
+python client/benchmark.py --workload saturate --numsamples 128 --max-concurrency 64
+python client/benchmark.py --workload shared-prefix            # prefix cache off vs on
+python client/benchmark.py --workload saturate --batch-sizes 8,32,128 --modes static,dynamic
 """
 
 import argparse
+import functools
 import json
+import os
+import platform
 import sys
 import tempfile
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 if not __package__:  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import requests  # noqa: E402
+
 from client.client import fetch_stats, run_load  # noqa: E402
-from client.data import PromptData, arrival_offsets  # noqa: E402
 from client.launch import running_server  # noqa: E402
-from client.metrics import summarize  # noqa: E402
+from client.metrics import SLO_METRICS, RequestResult, Summary, summarize  # noqa: E402
+from client.plots import plot_all  # noqa: E402
+from client.report import results_tables, write_report  # noqa: E402
+from client.stream import stream_completion  # noqa: E402
+from client.workloads import WORKLOADS, Workload, build  # noqa: E402
+from config import MODES, Settings  # noqa: E402
+from model.loader import resolve_model  # noqa: E402
 
-MODES = ("nobatch", "static", "dynamic")
-WORKLOADS = {  # name: (requests, arrivals per second)
-    "seed-like": (100, 1.0),
-    "saturate": (256, float("inf")),
-}
-
-
-def run_mode(mode: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    samples = PromptData(seed=args.seed, mean_tokens=args.mean_tokens).samples(args.numsamples)
-    offsets = arrival_offsets(args.numsamples, args.rate, args.seed)
-    with running_server(mode, log_dir) as url:
-        results, duration_s = run_load(url, samples, offsets, temperature=args.temperature, timeout=args.timeout)
-        stats = fetch_stats(url, args.timeout)
-    return {"mode": mode, "summary": summarize(results, duration_s), "server": stats}
+SETTING_NAMES = [f.name.upper() for f in fields(Settings)]
 
 
-def comparison_table(runs: list[dict[str, Any]]) -> str:
-    header = f"{'mode':<9}{'ok':>5}{'fail':>5}{'dur s':>8}{'out tok/s':>11}"
-    header += f"{'lat p50':>9}{'lat p99':>9}{'ttft p50':>9}{'ttft p99':>9}{'tpot p50':>9}{'tpot p99':>9}"
-    lines = [header + "   (latencies in ms)"]
-    for run in runs:
-        s = run["summary"]
-        row = f"{run['mode']:<9}{s['requests_ok']:>5}{s['requests_failed']:>5}{s['duration_s']:>8.1f}"
-        row += f"{s['output_tokens_per_s']:>11.1f}"
-        for key in ("latency_ms", "ttft_ms", "tpot_ms"):
-            row += "".join(f"{getattr(s[key], q):>9.0f}" if s[key] else f"{'-':>9}" for q in ("p50", "p99"))
-        lines.append(row)
-    return "\n".join(lines)
+class RunSpec(NamedTuple):
+    label: str
+    mode: str  # a server mode, or "transformers" for the baseline
+    settings: dict[str, str]  # server settings on top of the environment
+    batch_size: int | None  # MAX_BATCH_SIZE when the run sets it
+
+
+def planned_runs(args: argparse.Namespace) -> list[RunSpec]:
+    """Every mode x prefix-cache setting x batch size asked for, labelled by what varies."""
+    runs = []
+    for mode in args.modes:
+        for cache in args.prefix_cache:
+            for size in args.batch_sizes or [None]:
+                label = mode + (f" cache-{cache}" if len(args.prefix_cache) > 1 else "")
+                label += f" b={size}" if len(args.batch_sizes) > 1 else ""
+                settings = {"PREFIX_CACHE": cache} | ({"MAX_BATCH_SIZE": str(size)} if size else {})
+                runs.append(RunSpec(label, mode, settings, size))
+    return runs
+
+
+def measure(url: str, spec: RunSpec, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """Send the workload to a healthy server at `url`; the run's record, as results.json holds it."""
+    send = functools.partial(stream_completion, url, temperature=args.temperature, timeout=args.timeout)
+    results, duration_s = run_load(send, workload.requests, workload.offsets, args.max_concurrency)
+    model = requests.get(f"{url}/health", timeout=10).json()["model"]
+    return record(spec, model, results, duration_s, args, server_stats=fetch_stats(url, args.timeout))
+
+
+def record(
+    spec: RunSpec,
+    model: str,
+    results: list[RequestResult],
+    duration_s: float,
+    args: argparse.Namespace,
+    server_stats: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        **spec._asdict(),
+        "model": model,
+        "summary": _as_json(summarize(results, duration_s, args.slo)),
+        "server_stats": server_stats,
+        "requests": [r._asdict() for r in results],
+    }
+
+
+def run_baseline(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    from client.baseline import run_baseline as generate_offline  # transformers: a test-time dependency
+
+    settings = Settings.from_env()
+    size = args.baseline_batch or settings.max_batch_size
+    results, duration_s = generate_offline(workload, settings, size, args.temperature)
+    spec = RunSpec(f"transformers b={size}", "transformers", {}, size)
+    return record(spec, resolve_model(settings.model).name, results, duration_s, args)
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return {
+        "cpu": names[0] if names else platform.processor(),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def parse_slo(text: str) -> tuple[str, float]:
+    metric, _, ms = text.partition(":")
+    if metric not in SLO_METRICS:
+        raise argparse.ArgumentTypeError(f"SLO metric must be one of {', '.join(SLO_METRICS)}, got {metric!r}")
+    try:
+        return metric, float(ms)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"SLO must look like ttft:500 (milliseconds), got {text!r}") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=WORKLOADS, default="seed-like")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
+    parser.add_argument("--modes", help="comma-separated, from " + ", ".join(MODES) + " (default: the workload's)")
+    parser.add_argument("--prefix-cache", help="PREFIX_CACHE settings to run each mode with, e.g. off,on")
+    parser.add_argument("--batch-sizes", help="MAX_BATCH_SIZE values to run each mode with, e.g. 8,32,128")
+    parser.add_argument("--url", help="measure the server running here instead of starting one per run")
     parser.add_argument("--numsamples", type=int, help="requests (default: the workload's)")
     parser.add_argument("--rate", type=float, help="arrivals per second, inf for all at once (default: the workload's)")
-    parser.add_argument("--mean-tokens", type=float, default=100.0)
+    parser.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no limit)")
+    parser.add_argument("--mean-tokens", type=float, help="mean requested tokens (default: the workload's)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--json", type=Path, help="write every run's summary and /stats here")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    parser.add_argument("--slo", type=parse_slo, nargs="+", default=[], help="goodput SLOs in ms, e.g. ttft:500")
+    parser.add_argument("--baseline", action="store_true", help="also run transformers' generate, offline")
+    parser.add_argument("--baseline-batch", type=int, help="its static batch size (default: MAX_BATCH_SIZE)")
+    parser.add_argument("--out", type=Path, help="where results.json and the plots go (default: results/WORKLOAD)")
+    parser.add_argument("--report", action="store_true", help="also write report.md there, with table and plots")
+    parser.add_argument("--rebuild", type=Path, help="only recompute the tables and plots of the results.json here")
     args = parser.parse_args(argv)
-    default_n, default_rate = WORKLOADS[args.workload]
-    args.numsamples = args.numsamples or default_n
-    args.rate = args.rate or default_rate
-    args.modes = args.modes.split(",")
+    spec = WORKLOADS[args.workload]
+    args.numsamples = args.numsamples or spec.numsamples
+    args.rate = args.rate or spec.rate
+    args.mean_tokens = args.mean_tokens or spec.mean_tokens
+    args.modes = args.modes.split(",") if args.modes else list(spec.modes)
+    args.prefix_cache = args.prefix_cache.split(",") if args.prefix_cache else list(spec.prefix_cache)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else []
+    args.slo = dict(args.slo)
+    args.out = args.out or Path("results") / args.workload
     if not set(args.modes) <= set(MODES):
         parser.error(f"--modes must be taken from {', '.join(MODES)}")
+    if not set(args.prefix_cache) <= {"on", "off"}:
+        parser.error("--prefix-cache takes on, off or both")
+    if args.numsamples < 1 or not args.rate > 0 or not args.mean_tokens >= 1 or min(args.batch_sizes, default=1) < 1:
+        parser.error("--numsamples, --rate, --mean-tokens and --batch-sizes must be positive")
     return args
 
 
+def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Every planned run, then the baseline; the whole record that results.json holds."""
+    workload = build(args.workload, args.numsamples, args.rate, args.mean_tokens, args.seed)
+    runs = []
+    if args.url:
+        mode = requests.get(f"{args.url}/health", timeout=10).json()["mode"]
+        runs.append(measure(args.url.rstrip("/"), RunSpec(mode, mode, {}, None), workload, args))
+    else:
+        with tempfile.TemporaryDirectory() as log_dir:
+            for spec in planned_runs(args):
+                with running_server(spec.mode, Path(log_dir), **spec.settings) as url:
+                    runs.append(measure(url, spec, workload, args))
+    if args.baseline:  # after the servers stopped, so it has the device to itself
+        runs.append(run_baseline(workload, args))
+    # The server settings this process passes on, so the command in the report can be run again as it was.
+    settings = [f"{name}={os.environ[name]}" for name in SETTING_NAMES if os.environ.get(name)]
+    return {
+        "title": f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}",
+        "command": " ".join([*settings, "python client/benchmark.py", *argv]),
+        "machine": machine(),
+        "args": vars(args),
+        "runs": runs,
+    }
+
+
+def resummarize(results: dict[str, Any]) -> dict[str, Any]:
+    """`results` with every run's summary computed again from its raw requests (after the metrics changed)."""
+    for run in results["runs"]:
+        measured = [RequestResult(**r) for r in run["requests"]]
+        run["summary"] = _as_json(summarize(measured, run["summary"]["duration_s"], results["args"]["slo"]))
+    return results
+
+
+def _as_json(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v._asdict() if isinstance(v, Summary) else v for k, v in summary.items()}
+
+
+def publish(results: dict[str, Any], out: Path, report: bool) -> None:
+    """Print the tables; write results.json, the plots and, if asked, report.md into `out`."""
+    print(f"\n{results['title']}\n{results_tables(results['runs'], markdown=False)}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), default=str))
+    pictures = plot_all(results["runs"], out)
+    if report:
+        write_report(out / "report.md", results, pictures)
+    print(f"results, plots{' and report' if report else ''} in {out}/")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory() as log_dir:
-        runs = [run_mode(mode, args, Path(log_dir)) for mode in args.modes]
-    print(f"\nworkload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}")
-    print(comparison_table(runs))
-    if args.json:
-        args.json.write_text(json.dumps(runs, indent=2, default=lambda o: o._asdict()))
-    return 1 if any(run["summary"]["requests_failed"] for run in runs) else 0
+    if args.rebuild:
+        results = resummarize(json.loads((args.rebuild / "results.json").read_text()))
+    else:
+        results = run_experiment(args, argv)
+    publish(results, args.rebuild or args.out, args.report)
+    return 1 if any(run["summary"]["requests_failed"] for run in results["runs"]) else 0
 
 
 if __name__ == "__main__":

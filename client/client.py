@@ -5,6 +5,7 @@ python client/client.py --numsamples 200 --rate 4
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 if not __package__:
     # Run as `python client/client.py`, sys.path[0] is client/ itself, where `import client` would find this
@@ -25,10 +26,11 @@ from dotenv import load_dotenv  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from client.data import PromptData, Sample, arrival_offsets  # noqa: E402
-from client.metrics import RequestResult, format_table, summarize  # noqa: E402
+from client.metrics import RequestResult, failure, format_table, summarize  # noqa: E402
 
 DEFAULT_IP = "127.0.0.1"
 DEFAULT_PORT = "8500"
+T = TypeVar("T")
 
 
 class RequestFailed(Exception):
@@ -54,7 +56,7 @@ def post_inference(url: str, payload: dict[str, Any], timeout: float) -> dict[st
     except requests.RequestException as exc:
         raise RequestFailed(f"{type(exc).__name__}: {exc}") from exc
     if response.status_code != 200:
-        raise RequestFailed(f"HTTP {response.status_code}: {_error_message(response)}")
+        raise RequestFailed(f"HTTP {response.status_code}: {error_message(response)}")
     try:
         body = response.json()
     except ValueError as exc:
@@ -64,7 +66,7 @@ def post_inference(url: str, payload: dict[str, Any], timeout: float) -> dict[st
     return body
 
 
-def _error_message(response: requests.Response) -> str:
+def error_message(response: requests.Response) -> str:
     """The server's `{"error": {"type", "message"}}`, falling back to the raw body for anything else."""
     try:
         error = response.json()["error"]
@@ -73,7 +75,7 @@ def _error_message(response: requests.Response) -> str:
         return response.text[:200] or response.reason
 
 
-def timed_request(url: str, sample: Sample, temperature: float, timeout: float) -> RequestResult:
+def timed_request(url: str, sample: Sample, *, temperature: float, timeout: float) -> RequestResult:
     """Send one sample and measure it; never raises for a failed request, which is recorded instead."""
     payload = {"prompt": sample.prompt, "num_tokens": sample.num_tokens, "temperature": temperature}
     start = time.perf_counter()
@@ -93,47 +95,37 @@ def timed_request(url: str, sample: Sample, temperature: float, timeout: float) 
         error = str(exc)
     except (KeyError, TypeError, ValueError) as exc:
         error = f"malformed response: {type(exc).__name__}: {exc}"
-    return RequestResult(
-        ok=False,
-        prompt_tokens=0,
-        output_tokens=0,
-        ttft_s=None,
-        latency_s=time.perf_counter() - start,
-        error=error,
-        requested_tokens=sample.num_tokens,
-    )
+    return failure(error, time.perf_counter() - start, sample.num_tokens)
 
 
 def run_load(
-    url: str,
-    samples: list[Sample],
-    offsets: list[float],
-    *,
-    temperature: float,
-    timeout: float,
-    max_concurrency: int | None = None,
+    send: Callable[[T], RequestResult], items: list[T], offsets: list[float], max_concurrency: int | None = None
 ) -> tuple[list[RequestResult], float]:
-    """Send `samples[i]` at `offsets[i]` seconds into the run; the results in order and the run's wall time.
+    """`send(items[i])` at `offsets[i]` seconds into the run; the results in order and the run's wall time.
 
     Without `max_concurrency` every request gets its own worker, so arrivals never queue in the client. With it,
     requests beyond the cap wait for a free worker and their latency counts from when they are actually sent.
     """
     progress_lock = threading.Lock()
     with (
-        ThreadPoolExecutor(max_workers=max_concurrency or max(len(samples), 1)) as pool,
-        tqdm(total=len(samples), unit="req") as progress,
+        ThreadPoolExecutor(max_workers=max_concurrency or max(len(items), 1)) as pool,
+        tqdm(total=len(items), unit="req") as progress,
     ):
 
         def advance(_future: object) -> None:
             with progress_lock:
                 progress.update()
 
+        def timed_send(item: T) -> RequestResult:
+            sent_s = time.perf_counter() - start
+            return send(item)._replace(sent_s=sent_s)
+
         start = time.perf_counter()
         futures = []
-        for sample, offset in zip(samples, offsets, strict=True):
+        for item, offset in zip(items, offsets, strict=True):
             # Sleeping here paces the Poisson arrivals; it does not wait for any result.
             time.sleep(max(0.0, start + offset - time.perf_counter()))
-            future = pool.submit(timed_request, url, sample, temperature, timeout)
+            future = pool.submit(timed_send, item)
             future.add_done_callback(advance)
             futures.append(future)
         results = [future.result() for future in futures]
@@ -220,9 +212,8 @@ def run_benchmark(url: str, args: argparse.Namespace) -> int:
     )
     samples = data.samples(args.numsamples)
     offsets = arrival_offsets(args.numsamples, args.rate, args.seed)
-    results, duration_s = run_load(
-        url, samples, offsets, temperature=args.temperature, timeout=args.timeout, max_concurrency=args.max_concurrency
-    )
+    send = functools.partial(timed_request, url, temperature=args.temperature, timeout=args.timeout)
+    results, duration_s = run_load(send, samples, offsets, args.max_concurrency)
     summary = summarize(results, duration_s)
     print(format_table(summary))
     try:

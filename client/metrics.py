@@ -10,10 +10,21 @@ class RequestResult(NamedTuple):
     ok: bool
     prompt_tokens: int
     output_tokens: int
-    ttft_s: float | None  # as reported by the server
+    ttft_s: float | None  # first streamed text, or as reported by the server
     latency_s: float  # wall time measured by the client
     error: str | None
     requested_tokens: int
+    itl_s: tuple[float, ...] = ()  # gaps between streamed chunks; empty without streaming
+    sent_s: float = 0.0  # when it was sent, from the start of the run
+
+
+def failure(error: str, latency_s: float, requested_tokens: int) -> RequestResult:
+    """The record of a request that got no usable answer."""
+    return RequestResult(False, 0, 0, None, latency_s, error, requested_tokens)
+
+
+# Service-level objectives a request must meet to count towards goodput, in ms.
+SLO_METRICS = ("ttft", "tpot", "e2el")
 
 
 class Summary(NamedTuple):
@@ -52,29 +63,57 @@ def tpot(result: RequestResult) -> float | None:
     return (result.latency_s - result.ttft_s) / (result.output_tokens - 1)
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, Any]:
+def meets_slos(result: RequestResult, slos_ms: dict[str, float]) -> bool:
+    """Whether a successful request is within every SLO; TPOT counts as met when it is undefined (one token)."""
+    if not result.ok:
+        return False
+    measured_s = {"ttft": result.ttft_s, "tpot": tpot(result), "e2el": result.latency_s}
+    for metric, limit_ms in slos_ms.items():
+        value = measured_s[metric]
+        if value is None and metric == "tpot":
+            continue
+        if value is None or value * 1000 > limit_ms:
+            return False
+    return True
+
+
+def summarize(
+    results: Sequence[RequestResult], duration_s: float, slos_ms: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Counts, throughput over the wall-clock `duration_s` of the run, and latency statistics in ms.
 
     Timing statistics cover successful requests only: a failed request's latency says nothing about generation.
+    Inter-token latencies are pooled over every request, as vLLM's benchmark does. With `slos_ms` (keys from
+    SLO_METRICS), goodput is the rate of requests that met all of them.
     """
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     ok = [r for r in results if r.ok]
+    input_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     tpots = [t for t in map(tpot, ok) if t is not None]
     errors = Counter(r.error or "unknown error" for r in results if not r.ok)
-    return {
+    summary = {
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
         "duration_s": duration_s,
+        "input_tokens": input_tokens,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / duration_s,
+        "total_tokens_per_s": (input_tokens + output_tokens) / duration_s,
         "requests_per_s": len(ok) / duration_s,
         "latency_ms": describe([r.latency_s * 1000 for r in ok]),
+        # The original demo's "latency per token": what a request waited, queueing included, per token it got.
+        "latency_per_token_ms": describe([r.latency_s * 1000 / r.output_tokens for r in ok if r.output_tokens]),
         "ttft_ms": describe([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
         "tpot_ms": describe([t * 1000 for t in tpots]),
+        "itl_ms": describe([gap * 1000 for r in ok for gap in r.itl_s]),
         "errors": dict(errors.most_common()),
     }
+    if slos_ms:
+        assert set(slos_ms) <= set(SLO_METRICS), slos_ms
+        summary["goodput_requests_per_s"] = sum(meets_slos(r, slos_ms) for r in ok) / duration_s
+    return summary
 
 
 _COUNT_ROWS = (
@@ -90,6 +129,7 @@ _TIMING_ROWS = (
     ("latency (ms)", "latency_ms"),
     ("ttft (ms)", "ttft_ms"),
     ("tpot (ms)", "tpot_ms"),
+    ("itl (ms)", "itl_ms"),
 )
 
 

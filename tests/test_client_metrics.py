@@ -123,3 +123,50 @@ def test_format_table_marks_missing_timings():
     table = format_table(summarize([failed_result("timeout")], duration_s=1.0))
     ttft = next(line for line in table.splitlines() if line.startswith("ttft (ms)"))
     assert ttft.split()[-3:] == ["-", "-", "-"]
+
+
+def streamed(ttft_s: float, arrivals_s: list[float], prompt_tokens: int = 5) -> RequestResult:
+    """A streamed request on a hand-made timeline: first text at ttft_s, then a chunk at each arrival."""
+    times = [ttft_s, *arrivals_s]
+    return RequestResult(
+        ok=True,
+        prompt_tokens=prompt_tokens,
+        output_tokens=len(times),
+        ttft_s=ttft_s,
+        latency_s=times[-1],
+        error=None,
+        requested_tokens=len(times),
+        itl_s=tuple(b - a for a, b in zip(times, times[1:])),
+    )
+
+
+def test_streamed_timeline_gives_ttft_tpot_and_pooled_itl():
+    a = streamed(0.2, [0.3, 0.5, 0.6])  # gaps 0.1, 0.2, 0.1; tpot (0.6 - 0.2) / 3
+    b = streamed(1.0, [1.4], prompt_tokens=15)  # gap 0.4; tpot 0.4
+    summary = summarize([a, b], duration_s=2.0)
+    assert summary["ttft_ms"] == pytest.approx(Summary(mean=600, p50=600, p99=992))
+    mid, p99 = (400 / 3 + 400) / 2, 400 / 3 + 0.99 * (400 - 400 / 3)
+    assert summary["tpot_ms"] == pytest.approx(Summary(mean=mid, p50=mid, p99=p99))
+    # Gaps pooled over both requests: 100, 100, 200, 400 ms; p99 at rank 2.97 between 200 and 400.
+    assert summary["itl_ms"] == pytest.approx(Summary(mean=200, p50=150, p99=394))
+    assert summary["latency_ms"] == pytest.approx(Summary(mean=1000, p50=1000, p99=1392))
+    # 600 ms over 4 tokens and 1400 ms over 2.
+    assert summary["latency_per_token_ms"] == pytest.approx(Summary(mean=425, p50=425, p99=150 + 0.99 * 550))
+    # 20 prompt + 6 output tokens over 2 s.
+    assert (summary["input_tokens"], summary["output_tokens"]) == (20, 6)
+    assert summary["total_tokens_per_s"] == pytest.approx(13.0)
+    assert summary["output_tokens_per_s"] == pytest.approx(3.0)
+    assert "goodput_requests_per_s" not in summary
+
+
+def test_goodput_counts_requests_within_every_slo():
+    fast = streamed(0.1, [0.15, 0.2])  # ttft 100 ms, tpot 50 ms, e2el 200 ms
+    slow_start = streamed(0.9, [0.95, 1.0])  # ttft 900 ms
+    slow_tokens = streamed(0.1, [0.4, 0.7])  # tpot 300 ms
+    one_token = streamed(0.1, [])  # tpot undefined: only its TTFT and latency can miss
+    failed = failed_result("HTTP 500")
+    results = [fast, slow_start, slow_tokens, one_token, failed]
+    summary = summarize(results, duration_s=2.0, slos_ms={"ttft": 500, "tpot": 100})
+    assert summary["goodput_requests_per_s"] == pytest.approx(2 / 2.0)  # fast and one_token
+    assert summarize(results, 2.0, {"e2el": 800})["goodput_requests_per_s"] == pytest.approx(3 / 2.0)
+    assert summarize(results, 2.0, {"ttft": 50})["goodput_requests_per_s"] == 0

@@ -79,6 +79,18 @@ def test_stream_joins_to_the_same_text(client, model):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
+def test_stream_ends_with_usage_when_asked(client, model):
+    chunks = list(
+        complete(client, model, prompt=PROMPT, max_tokens=17, stream=True, stream_options={"include_usage": True})
+    )
+    *text_chunks, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 17
+    n = len(TOKENIZER.encode(PROMPT))
+    assert (last.usage.prompt_tokens, last.usage.total_tokens) == (n, n + 17)
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in text_chunks)
+
+
 def test_streamed_events_join_to_the_decoded_tokens(url):
     settings = {"temperature": 1.0, "seed": 3}
     prompt = "日本語と絵文字 🦙"
@@ -118,6 +130,9 @@ def test_seeded_sampling_is_reproducible(client, model):
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"logprobs": 6}, "logprobs"),
         ({"logprobs": 2, "stream": True}, "logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without streaming
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"stream": True, "stream_options": {"other": True}}, "stream_options"),
     ],
 )
 def test_bad_requests_raise_bad_request_error(client, model, kwargs, param):

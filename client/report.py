@@ -1,0 +1,66 @@
+"""The benchmark's tables, as aligned text or Markdown, and its Markdown report."""
+
+from pathlib import Path
+from typing import Any
+
+LATENCIES = (
+    ("TTFT", "ttft_ms"),
+    ("TPOT", "tpot_ms"),
+    ("ITL", "itl_ms"),
+    ("E2EL", "latency_ms"),
+    ("E2EL/token", "latency_per_token_ms"),
+)
+
+
+def results_tables(runs: list[dict[str, Any]], markdown: bool) -> str:
+    """Throughput per run, then latency per run and metric (mean / median / p99, ms), as serving benchmarks report."""
+    goodput = "goodput_requests_per_s" in runs[0]["summary"] if runs else False
+    header = ["run", "ok", "failed", "duration s", "req/s", "out tok/s", "total tok/s"] + ["goodput req/s"] * goodput
+    rows = []
+    for run in runs:
+        s = run["summary"]
+        row = [run["label"], str(s["requests_ok"]), str(s["requests_failed"]), f"{s['duration_s']:.1f}"]
+        row += [f"{s['requests_per_s']:.2f}", f"{s['output_tokens_per_s']:.1f}", f"{s['total_tokens_per_s']:.1f}"]
+        rows.append(row + ([f"{s['goodput_requests_per_s']:.2f}"] if goodput else []))
+    latency_rows = []
+    for run in runs:
+        for name, key in LATENCIES:
+            stats = run["summary"][key]
+            cells = [f"{stats[q]:.1f}" for q in ("mean", "p50", "p99")] if stats else ["-"] * 3
+            latency_rows.append([run["label"], name, *cells])
+    latency_header = ["run", "metric", "mean ms", "median ms", "p99 ms"]
+    render = _markdown if markdown else _text
+    return render(header, rows, labels=1) + "\n\n" + render(latency_header, latency_rows, labels=2)
+
+
+def _text(header: list[str], rows: list[list[str]], labels: int) -> str:
+    """Aligned columns: the first `labels` to the left, numbers to the right."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda cells: "  ".join(
+        c.ljust(w) if i < labels else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
+    return "\n".join(line(r) for r in [header, *rows])
+
+
+def _markdown(header: list[str], rows: list[list[str]], labels: int) -> str:
+    rule = "|" + "|".join(["---"] * labels + ["---:"] * (len(header) - labels)) + "|"
+    return "\n".join(["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def write_report(path: Path, results: dict[str, Any], pictures: list[Path]) -> None:
+    """A Markdown page with what ran, where, the tables and the plots (linked relative to `path`)."""
+    m = results["machine"]
+    hardware = f"{m['cpus']} x {m['cpu']}" + (f", {m['gpu']}" if m["gpu"] else ", no GPU")
+    models = sorted({run["model"] for run in results["runs"]})
+    lines = [
+        f"# Benchmark: {results['title']}",
+        "",
+        f"- command: `{results['command']}`",
+        f"- machine: {hardware}; torch {m['torch']}, Python {m['python']}",
+        f"- model: {', '.join(models)}",
+        "",
+        results_tables(results["runs"], markdown=True),
+        "",
+        *(f"![{picture.stem}]({picture.relative_to(path.parent)})\n" for picture in pictures),
+    ]
+    path.write_text("\n".join(lines))

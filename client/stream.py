@@ -1,0 +1,66 @@
+"""One streamed /v1/completions request, timed as serving benchmarks time it.
+
+TTFT is from sending to the first streamed text; inter-token latencies are the gaps between
+text events; the token counts come from the usage event the server sends last.
+"""
+
+import json
+import time
+from typing import Any
+
+import requests
+
+from client.client import RequestFailed, error_message
+from client.metrics import RequestResult, failure
+from client.workloads import Request
+
+
+def stream_completion(url: str, request: Request, *, temperature: float, timeout: float) -> RequestResult:
+    """Send `request` and time it; never raises for a failed request, which is recorded instead."""
+    body = {
+        "prompt": request.prompt_ids,
+        "max_tokens": request.num_tokens,
+        "temperature": temperature,
+        "seed": request.seed,
+        "ignore_eos": True,  # exactly the requested length, so every mode does the same work
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    try:
+        arrivals, usage = _read_stream(url, body, timeout)
+    except RequestFailed as exc:
+        return failure(str(exc), time.perf_counter() - start, request.num_tokens)
+    return RequestResult(
+        ok=True,
+        prompt_tokens=usage["prompt_tokens"],
+        output_tokens=usage["completion_tokens"],
+        ttft_s=arrivals[0] - start if arrivals else None,
+        latency_s=time.perf_counter() - start,
+        error=None,
+        requested_tokens=request.num_tokens,
+        itl_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
+    )
+
+
+def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int]]:
+    """When each text event arrived, and the closing usage; raises RequestFailed for any error."""
+    arrivals, usage = [], None
+    try:
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as response:
+            if response.status_code != 200:
+                raise RequestFailed(f"HTTP {response.status_code}: {error_message(response)}")
+            for line in response.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue  # blank separators and the closing [DONE]
+                event = json.loads(line.removeprefix(b"data: "))
+                if "error" in event:
+                    raise RequestFailed(f"{event['error']['type']}: {event['error']['message']}")
+                if event["choices"] and event["choices"][0]["text"]:
+                    arrivals.append(time.perf_counter())
+                usage = event.get("usage") or usage
+    except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+        raise RequestFailed(f"malformed or broken stream: {type(exc).__name__}: {exc}") from exc
+    if usage is None:
+        raise RequestFailed("the stream ended without a usage event")
+    return arrivals, usage

@@ -1,0 +1,93 @@
+"""The benchmark's workloads: token-id prompts, requested lengths, seeds and arrival times, all deterministic.
+
+seed-like      the original experiment: 100 requests, Poisson arrivals at 1 req/s, lengths normal(100, 50)
+saturate       the same prompts, all sent at once
+shared-prefix  one long system prompt in front of every question: the prefix cache's case
+sharegpt-like  prompt and response lengths drawn like chat traffic (log-normal, heavy-tailed)
+"""
+
+import math
+import random
+from typing import NamedTuple
+
+import tiktoken
+
+from client.data import PromptData, arrival_offsets
+from config import MODES
+from model.tokenizer import load_tokenizer
+
+CONTEXT = 1024  # GPT-2's n_positions: a prompt and its completion must fit
+SYSTEM_PROMPT_TOKENS = 500
+# ShareGPT's mean lengths as reported in the vLLM paper (Kwon et al. 2023, Table 1): 161 in, 338 out.
+SHAREGPT_MEAN_PROMPT = 161
+SHAREGPT_SIGMA = 1.0  # spread of the log-normal: a long tail, median about 60% of the mean
+
+
+class Request(NamedTuple):
+    prompt_ids: list[int]
+    num_tokens: int
+    seed: int  # the sampling seed, the same in every run of the workload
+
+
+class Workload(NamedTuple):
+    name: str
+    requests: list[Request]
+    offsets: list[float]  # send times, seconds from the start of the run
+
+
+class WorkloadSpec(NamedTuple):
+    numsamples: int
+    rate: float  # arrivals per second; inf sends all at once
+    mean_tokens: float
+    modes: tuple[str, ...]  # the server modes it compares
+    prefix_cache: tuple[str, ...]  # the PREFIX_CACHE settings each mode runs with
+
+
+WORKLOADS = {
+    "seed-like": WorkloadSpec(100, 1.0, 100.0, MODES, ("on",)),
+    "saturate": WorkloadSpec(256, math.inf, 100.0, MODES, ("on",)),
+    "shared-prefix": WorkloadSpec(100, math.inf, 16.0, ("dynamic",), ("off", "on")),
+    "sharegpt-like": WorkloadSpec(100, 1.0, 338.0, MODES, ("on",)),
+}
+
+
+def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int = 0) -> Workload:
+    """Workload `name` with `numsamples` requests; the same arguments always give the same workload."""
+    tokenizer = load_tokenizer()
+    if name == "sharegpt-like":
+        pairs = _sharegpt_like(tokenizer, numsamples, mean_tokens, seed)
+    else:
+        samples = PromptData(seed=seed, mean_tokens=mean_tokens, std_tokens=mean_tokens / 2).samples(numsamples)
+        pairs = [(tokenizer.encode(s.prompt), s.num_tokens) for s in samples]
+        if name == "shared-prefix":
+            system = _long_text_ids(tokenizer, SYSTEM_PROMPT_TOKENS, seed)
+            pairs = [(system + ids, n) for ids, n in pairs]
+    assert all(len(ids) + n <= CONTEXT for ids, n in pairs)
+    requests = [Request(ids, n, seed * 1_000_000 + i) for i, (ids, n) in enumerate(pairs)]
+    return Workload(name, requests, arrival_offsets(numsamples, rate, seed))
+
+
+def _long_text_ids(tokenizer: tiktoken.Encoding, num_tokens: int, seed: int) -> list[int]:
+    """`num_tokens` tokens of English-like text: benchmark prompts run together (each is over 4 tokens)."""
+    samples = PromptData(seed=seed + 1).samples(num_tokens // 4)
+    ids = tokenizer.encode(" ".join(s.prompt for s in samples))
+    assert len(ids) >= num_tokens
+    return ids[:num_tokens]
+
+
+def _sharegpt_like(tokenizer: tiktoken.Encoding, n: int, mean_tokens: float, seed: int) -> list[tuple[list[int], int]]:
+    """Log-normal prompt and response lengths with ShareGPT's means, clipped so both fit the context."""
+    rng = random.Random(f"sharegpt:{seed}")
+    text = _long_text_ids(tokenizer, 4 * CONTEXT, seed)
+    pairs = []
+    for _ in range(n):
+        prompt_len = min(max(4, _lognormal(rng, SHAREGPT_MEAN_PROMPT)), CONTEXT // 2)
+        num_tokens = min(max(1, _lognormal(rng, mean_tokens)), CONTEXT - prompt_len)
+        start = rng.randrange(len(text) - prompt_len)
+        pairs.append((text[start : start + prompt_len], num_tokens))
+    return pairs
+
+
+def _lognormal(rng: random.Random, mean: float) -> int:
+    """A log-normal draw with the given mean (mu chosen so that exp(mu + sigma^2 / 2) = mean)."""
+    return round(rng.lognormvariate(math.log(mean) - SHAREGPT_SIGMA**2 / 2, SHAREGPT_SIGMA))

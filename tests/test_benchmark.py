@@ -1,0 +1,140 @@
+"""The benchmark end to end against real servers on a tiny checkpoint, and its workloads."""
+
+import json
+import statistics
+
+import pytest
+from matplotlib.image import imread
+
+from client.benchmark import main, parse_args, planned_runs
+from client.launch import running_server
+from client.stream import stream_completion
+from client.workloads import CONTEXT, SYSTEM_PROMPT_TOKENS, WORKLOADS, Request, build
+
+
+@pytest.fixture
+def tiny_server_env(tiny_checkpoint, monkeypatch):
+    """Servers the benchmark starts, and its baseline, read their settings from the environment."""
+    monkeypatch.setenv("MODEL", str(tiny_checkpoint))
+    monkeypatch.setenv("KV_CACHE_BLOCKS", "1024")
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_are_deterministic_and_fit_the_context(name):
+    a, b = build(name, 40, 2.0, 30, seed=3), build(name, 40, 2.0, 30, seed=3)
+    assert a == b
+    assert build(name, 40, 2.0, 30, seed=4).requests != a.requests
+    assert all(len(r.prompt_ids) + r.num_tokens <= CONTEXT and r.num_tokens >= 1 for r in a.requests)
+    assert len({r.seed for r in a.requests}) == 40  # every request its own sampling seed
+    assert a.offsets[0] == 0 and a.offsets == sorted(a.offsets)
+
+
+def test_shared_prefix_prompts_share_one_system_prompt():
+    requests = build("shared-prefix", 20, float("inf"), 16).requests
+    system = requests[0].prompt_ids[:SYSTEM_PROMPT_TOKENS]
+    assert all(r.prompt_ids[:SYSTEM_PROMPT_TOKENS] == system for r in requests)
+    assert len({tuple(r.prompt_ids[SYSTEM_PROMPT_TOKENS:]) for r in requests}) > 10  # the questions differ
+
+
+def test_sharegpt_like_lengths_have_chat_means_and_a_long_tail():
+    requests = build("sharegpt-like", 2000, 1.0, 338).requests
+    prompts, outputs = [len(r.prompt_ids) for r in requests], [r.num_tokens for r in requests]
+    # Log-normal with sigma 1: mean 161 (a little less after clipping), median ~ 161 * exp(-1/2) ~ 98.
+    assert 130 < statistics.mean(prompts) < 170 and 85 < statistics.median(prompts) < 115
+    assert max(prompts) > 3 * statistics.median(prompts)
+    assert 280 < statistics.mean(outputs) < 350
+
+
+def test_runs_cover_every_mode_cache_setting_and_batch_size():
+    args = parse_args(["--workload", "shared-prefix"])
+    assert [(r.label, r.mode, r.settings) for r in planned_runs(args)] == [
+        ("dynamic cache-off", "dynamic", {"PREFIX_CACHE": "off"}),
+        ("dynamic cache-on", "dynamic", {"PREFIX_CACHE": "on"}),
+    ]
+    sweep = planned_runs(parse_args(["--modes", "static,dynamic", "--batch-sizes", "4,16"]))
+    assert [r.label for r in sweep] == ["static b=4", "static b=16", "dynamic b=4", "dynamic b=16"]
+    assert sweep[1].settings == {"PREFIX_CACHE": "on", "MAX_BATCH_SIZE": "16"}
+
+
+@pytest.mark.parametrize(
+    "argv", [["--modes", "eager"], ["--prefix-cache", "maybe"], ["--slo", "ttft"], ["--slo", "x:1"]]
+)
+def test_bad_arguments_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+
+
+def test_a_short_benchmark_writes_results_plots_and_report(tiny_server_env, tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["--workload", "saturate", "--numsamples", "6", "--mean-tokens", "6", "--modes", "nobatch,dynamic"]
+    argv += ["--baseline", "--baseline-batch", "4", "--slo", "ttft:60000", "--out", str(out), "--report"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert [run["label"] for run in results["runs"]] == ["nobatch", "dynamic", "transformers b=4"]
+    workload = build("saturate", 6, float("inf"), 6)
+    for run in results["runs"]:
+        assert run["summary"]["requests_ok"] == 6 and run["summary"]["goodput_requests_per_s"] > 0
+        for request, sent in zip(run["requests"], workload.requests):
+            # The server was asked to ignore end-of-text: exactly the requested tokens come back.
+            assert request["output_tokens"] == request["requested_tokens"] == sent.num_tokens
+            assert request["prompt_tokens"] == len(sent.prompt_ids)
+            assert 0 < request["ttft_s"] <= request["latency_s"]
+            assert len(request["itl_s"]) <= sent.num_tokens - 1
+        assert run["label"] in printed
+    assert results["runs"][0]["server_stats"]["requests_completed"] == 6
+    for name in ("latency_vs_tokens.png", "throughput_ttft.png", "latency_cdf.png"):
+        height, width, _ = imread(out / name).shape  # parses as an image
+        assert height > 100 and width > 100
+        assert f"]({name})" in (out / "report.md").read_text()
+    settings, _, arguments = results["command"].partition("python client/benchmark.py")
+    assert f"MODEL={tiny_checkpoint}" in settings.split() and "KV_CACHE_BLOCKS=1024" in settings.split()
+    assert arguments.split() == argv
+
+
+def test_benchmark_measures_a_running_server_at_url(tiny_checkpoint, tmp_path):
+    with running_server("static", tmp_path, MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="1024") as url:
+        argv = ["--url", url, "--workload", "seed-like", "--numsamples", "4", "--rate", "50", "--mean-tokens", "4"]
+        assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    (run,) = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    assert run["label"] == "static" and run["summary"]["requests_ok"] == 4
+
+
+def test_stream_records_a_refused_request_as_failed(tiny_checkpoint, tmp_path):
+    with running_server("dynamic", tmp_path, MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="1024") as url:
+        good = stream_completion(url, Request([464, 46371, 28356], 12, seed=1), temperature=1.0, timeout=60)
+        too_long = stream_completion(url, Request([464] * 1000, 100, seed=1), temperature=1.0, timeout=60)
+    assert good.ok and good.output_tokens == 12 and good.prompt_tokens == 3
+    assert not too_long.ok and too_long.error.startswith("HTTP 400") and "context" in too_long.error
+
+
+def test_rebuild_recomputes_summaries_from_the_raw_requests(tmp_path):
+    results = {
+        "title": "hand-made",
+        "command": "python client/benchmark.py",
+        "machine": {"cpu": "x", "cpus": 1, "gpu": None, "torch": "t", "python": "p"},
+        "args": {"slo": {"ttft": 150}},
+        "runs": [
+            {
+                "label": "dynamic",
+                "mode": "dynamic",
+                "batch_size": None,
+                "model": "m",
+                "summary": {"duration_s": 2.0},  # all the rest is recomputed
+                "requests": [
+                    {"ok": True, "prompt_tokens": 4, "output_tokens": 3, "ttft_s": 0.1, "latency_s": 0.5,
+                     "error": None, "requested_tokens": 3, "itl_s": [0.2, 0.2], "sent_s": 0.0},
+                    {"ok": True, "prompt_tokens": 6, "output_tokens": 2, "ttft_s": 0.2, "latency_s": 0.3,
+                     "error": None, "requested_tokens": 2, "itl_s": [0.1], "sent_s": 0.5},
+                ],
+            }
+        ],
+    }  # fmt: skip
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main(["--rebuild", str(tmp_path), "--report"]) == 0
+    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert run["summary"]["total_tokens_per_s"] == pytest.approx((10 + 5) / 2.0)
+    assert run["summary"]["goodput_requests_per_s"] == pytest.approx(1 / 2.0)  # only the first met TTFT 150 ms
+    assert run["summary"]["itl_ms"]["mean"] == pytest.approx(500 / 3)
+    assert "| dynamic | TTFT | 150.0 | 150.0 |" in (tmp_path / "report.md").read_text()
