@@ -85,12 +85,12 @@ def record(
     }
 
 
-def run_baseline(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    from client.baseline import run_baseline as generate_offline  # transformers: a test-time dependency
+def measure_baseline(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    from client.baseline import run_baseline  # imports transformers, a test-time dependency: only when asked
 
     settings = Settings.from_env()
     size = args.baseline_batch or settings.max_batch_size
-    results, duration_s = generate_offline(workload, settings, size, args.temperature)
+    results, duration_s = run_baseline(workload, settings, size, args.temperature)
     spec = RunSpec(f"transformers b={size}", "transformers", {}, size)
     return record(spec, resolve_model(settings.model).name, results, duration_s, args)
 
@@ -173,7 +173,7 @@ def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                 with running_server(spec.mode, Path(log_dir), **spec.settings) as url:
                     runs.append(measure(url, spec, workload, args))
     if args.baseline:  # after the servers stopped, so it has the device to itself
-        runs.append(run_baseline(workload, args))
+        runs.append(measure_baseline(workload, args))
     # The server settings this process passes on, so the command in the report can be run again as it was.
     settings = [f"{name}={os.environ[name]}" for name in SETTING_NAMES if os.environ.get(name)]
     return {
