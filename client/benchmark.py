@@ -48,11 +48,14 @@ class RunSpec(NamedTuple):
 
 
 def planned_runs(args: argparse.Namespace) -> list[RunSpec]:
-    """Every mode x prefix-cache setting x batch size asked for, labelled by what varies."""
+    """Every mode x prefix-cache setting x batch size asked for, labelled by what varies.
+
+    nobatch runs one request at a time whatever MAX_BATCH_SIZE says, so a sweep runs it once.
+    """
     runs = []
     for mode in args.modes:
         for cache in args.prefix_cache:
-            for size in args.batch_sizes or [None]:
+            for size in (args.batch_sizes[:1] if mode == "nobatch" else args.batch_sizes) or [None]:
                 label = mode + (f" cache-{cache}" if len(args.prefix_cache) > 1 else "")
                 label += f" b={size}" if len(args.batch_sizes) > 1 else ""
                 settings = {"PREFIX_CACHE": cache} | ({"MAX_BATCH_SIZE": str(size)} if size else {})

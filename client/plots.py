@@ -62,8 +62,14 @@ def batch_size_sweep(runs: list[Run], path: Path) -> None:
     for mode in dict.fromkeys(run["mode"] for run in runs):
         points = sorted((run["batch_size"], run["summary"]) for run in runs if run["mode"] == mode)
         sizes = [size for size, _ in points]
-        left.plot(sizes, [s["output_tokens_per_s"] for _, s in points], marker="o", label=mode)
-        right.plot(sizes, [(s["ttft_ms"] or {}).get("p99", 0) / 1000 for _, s in points], marker="o", label=mode)
+        throughput = [s["output_tokens_per_s"] for _, s in points]
+        ttft_p99 = [(s["ttft_ms"] or {}).get("p99", 0) / 1000 for _, s in points]
+        if len(points) == 1:  # nobatch (or a baseline) runs once: a level to compare the lines with
+            left.axhline(throughput[0], linestyle="--", color="grey", label=mode)
+            right.axhline(ttft_p99[0], linestyle="--", color="grey", label=mode)
+            continue
+        left.plot(sizes, throughput, marker="o", label=mode)
+        right.plot(sizes, ttft_p99, marker="o", label=mode)
     left.set(xlabel="MAX_BATCH_SIZE", ylabel="output tokens/s", title="Throughput")
     right.set(xlabel="MAX_BATCH_SIZE", ylabel="seconds", title="p99 time to first token", yscale="log")
     for ax in (left, right):

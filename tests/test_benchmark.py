@@ -51,9 +51,9 @@ def test_runs_cover_every_mode_cache_setting_and_batch_size():
         ("dynamic cache-off", "dynamic", {"PREFIX_CACHE": "off"}),
         ("dynamic cache-on", "dynamic", {"PREFIX_CACHE": "on"}),
     ]
-    sweep = planned_runs(parse_args(["--modes", "static,dynamic", "--batch-sizes", "4,16"]))
-    assert [r.label for r in sweep] == ["static b=4", "static b=16", "dynamic b=4", "dynamic b=16"]
-    assert sweep[1].settings == {"PREFIX_CACHE": "on", "MAX_BATCH_SIZE": "16"}
+    sweep = planned_runs(parse_args(["--batch-sizes", "4,16"]))
+    assert [r.label for r in sweep] == ["nobatch b=4", "static b=4", "static b=16", "dynamic b=4", "dynamic b=16"]
+    assert sweep[2].settings == {"PREFIX_CACHE": "on", "MAX_BATCH_SIZE": "16"}
 
 
 @pytest.mark.parametrize(
@@ -138,3 +138,23 @@ def test_rebuild_recomputes_summaries_from_the_raw_requests(tmp_path):
     assert run["summary"]["goodput_requests_per_s"] == pytest.approx(1 / 2.0)  # only the first met TTFT 150 ms
     assert run["summary"]["itl_ms"]["mean"] == pytest.approx(500 / 3)
     assert "| dynamic | TTFT | 150.0 | 150.0 |" in (tmp_path / "report.md").read_text()
+
+
+def test_shared_prefix_runs_show_the_cache_at_work(tiny_server_env, tmp_path):
+    argv = ["--workload", "shared-prefix", "--numsamples", "8", "--mean-tokens", "4", "--out", str(tmp_path)]
+    argv += ["--batch-sizes", "2,8"]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    runs = {run["label"]: run for run in results["runs"]}
+    assert list(runs) == [
+        "dynamic cache-off b=2",
+        "dynamic cache-off b=8",
+        "dynamic cache-on b=2",
+        "dynamic cache-on b=8",
+    ]
+    assert {run["server_stats"]["prefix_cache_hit_rate"] for run in runs.values() if "off" in run["label"]} == {0.0}
+    # Only prompts admitted in the first step miss: at most 3 of ~535 tokens fit its 2048-token budget, so 5 of
+    # 8 or more find the system prompt's 31 full blocks (496 tokens) cached: a hit rate of 5 * 496 / 8 / 567 > 0.5.
+    assert all(runs[f"dynamic cache-on b={b}"]["server_stats"]["prefix_cache_hit_rate"] > 0.5 for b in (2, 8))
+    assert runs["dynamic cache-on b=8"]["server_stats"]["kv_blocks_total"] == 1024
+    assert (tmp_path / "batch_size_sweep.png").exists() and imread(tmp_path / "batch_size_sweep.png").shape[0] > 100
