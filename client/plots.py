@@ -57,19 +57,22 @@ def latency_cdf(runs: list[Run], path: Path) -> None:
 
 
 def batch_size_sweep(runs: list[Run], path: Path) -> None:
-    """Throughput and p99 TTFT against MAX_BATCH_SIZE, one line per mode."""
+    """Throughput and p99 TTFT against MAX_BATCH_SIZE, one line per mode (and prefix-cache setting)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in dict.fromkeys(run["mode"] for run in runs):
-        points = sorted((run["batch_size"], run["summary"]) for run in runs if run["mode"] == mode)
+    series = lambda run: run["label"].split(" b=")[0]  # the label without its batch size
+    for name in dict.fromkeys(map(series, runs)):
+        points = sorted(
+            ((run["batch_size"], run["summary"]) for run in runs if series(run) == name), key=lambda p: p[0]
+        )
         sizes = [size for size, _ in points]
         throughput = [s["output_tokens_per_s"] for _, s in points]
         ttft_p99 = [(s["ttft_ms"] or {}).get("p99", 0) / 1000 for _, s in points]
         if len(points) == 1:  # nobatch (or a baseline) runs once: a level to compare the lines with
-            left.axhline(throughput[0], linestyle="--", color="grey", label=mode)
-            right.axhline(ttft_p99[0], linestyle="--", color="grey", label=mode)
+            left.axhline(throughput[0], linestyle="--", color="grey", label=name)
+            right.axhline(ttft_p99[0], linestyle="--", color="grey", label=name)
             continue
-        left.plot(sizes, throughput, marker="o", label=mode)
-        right.plot(sizes, ttft_p99, marker="o", label=mode)
+        left.plot(sizes, throughput, marker="o", label=name)
+        right.plot(sizes, ttft_p99, marker="o", label=name)
     left.set(xlabel="MAX_BATCH_SIZE", ylabel="output tokens/s", title="Throughput")
     right.set(xlabel="MAX_BATCH_SIZE", ylabel="seconds", title="p99 time to first token", yscale="log")
     for ax in (left, right):
