@@ -55,9 +55,9 @@ def planned_runs(args: argparse.Namespace) -> list[RunSpec]:
     runs = []
     for mode in args.modes:
         for cache in args.prefix_cache:
-            for size in (args.batch_sizes[:1] if mode == "nobatch" else args.batch_sizes) or [None]:
+            for size in ([] if mode == "nobatch" else args.batch_sizes) or [None]:
                 label = mode + (f" cache-{cache}" if len(args.prefix_cache) > 1 else "")
-                label += f" b={size}" if len(args.batch_sizes) > 1 else ""
+                label += f" b={size}" if size and len(args.batch_sizes) > 1 else ""
                 settings = {"PREFIX_CACHE": cache} | ({"MAX_BATCH_SIZE": str(size)} if size else {})
                 runs.append(RunSpec(label, mode, settings, size))
     return runs

@@ -52,7 +52,8 @@ def test_runs_cover_every_mode_cache_setting_and_batch_size():
         ("dynamic cache-on", "dynamic", {"PREFIX_CACHE": "on"}),
     ]
     sweep = planned_runs(parse_args(["--batch-sizes", "4,16"]))
-    assert [r.label for r in sweep] == ["nobatch b=4", "static b=4", "static b=16", "dynamic b=4", "dynamic b=16"]
+    assert [r.label for r in sweep] == ["nobatch", "static b=4", "static b=16", "dynamic b=4", "dynamic b=16"]
+    assert sweep[0].settings == {"PREFIX_CACHE": "on"} and sweep[0].batch_size is None
     assert sweep[2].settings == {"PREFIX_CACHE": "on", "MAX_BATCH_SIZE": "16"}
 
 
