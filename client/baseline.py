@@ -17,6 +17,7 @@ from benchmarks.engine_vs_transformers import to_transformers
 from client.metrics import RequestResult
 from client.workloads import CONTEXT, Request, Workload
 from config import Settings
+from generate.engine import device_and_dtype
 from model.loader import load_model
 from model.tokenizer import EOT_ID
 
@@ -38,8 +39,7 @@ def run_baseline(
     workload: Workload, settings: Settings, batch_size: int, temperature: float
 ) -> tuple[list[RequestResult], float]:
     """Every request's result, in order, and the run's wall time; weights and device as the server's."""
-    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, settings.dtype or ("float16" if device.type == "cuda" else "float32"))
+    device, dtype = device_and_dtype(settings)
     hf = to_transformers(load_model(settings.model, device, dtype, settings.seed).model).to(device, dtype)
     torch.manual_seed(workload.requests[0].seed if workload.requests else 0)
     results: list[RequestResult | None] = [None] * len(workload.requests)
