@@ -13,6 +13,7 @@ from batching.manager import BatchingManager
 from config import Settings
 from generate.engine import Engine
 from model.tokenizer import load_tokenizer
+from sim.engine import simulated_engine
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings or Settings.from_env()
     log.info("settings: %s", settings.redacted())
-    engine = Engine.from_settings(settings)
+    engine = simulated_engine(settings) if settings.engine == "sim" else Engine.from_settings(settings)
     manager = BatchingManager(engine, settings)
     manager.start()
 

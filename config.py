@@ -22,7 +22,8 @@ class Settings:
     device: str = ""  # empty: cuda if available, else cpu
     dtype: str = ""  # empty: float16 on cuda, float32 on cpu; ENGINE=sim: the simulated model's (16-bit)
     max_batch_size: int = 256
-    max_batch_tokens: int = 2048  # tokens computed per step; must cover one full context
+    max_batch_tokens: int = 0  # per-step token budget; 0: 256 on CPU, 2048 on CUDA and simulated GPUs
+    chunked_prefill: bool = True  # off: a prompt is prefilled in one step, so the budget must cover a context
     kv_cache_gb: float = 0.0  # 0: 4 GB on cpu, 90% of free memory on cuda
     kv_cache_blocks: int = 0  # > 0 overrides kv_cache_gb (tests, tiny pools)
     block_size: int = 16
@@ -34,6 +35,7 @@ class Settings:
     seed: int = 0  # seed of random:<name> weights
     api_key: str = ""  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
     shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
+    step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -44,12 +46,28 @@ class Settings:
             raise ValueError("SIM_MODEL and SIM_GPU must not be empty")
         if self.sim_num_gpus < 1:
             raise ValueError(f"SIM_NUM_GPUS must be at least 1, got {self.sim_num_gpus}")
-        if self.max_batch_tokens < 1024:
-            raise ValueError("MAX_BATCH_TOKENS must be at least 1024 (one full context)")
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"MAX_BATCH_TOKENS must be at least 1 (or 0 for the default), got {self.max_batch_tokens}")
+        if self.step_log_size < 1:
+            raise ValueError(f"STEP_LOG_SIZE must be at least 1, got {self.step_log_size}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
+
+    def batch_token_budget(self, on_gpu: bool, max_context: int) -> int:
+        """MAX_BATCH_TOKENS, or its default for the device: small on a CPU, where a step's cost grows
+        with its tokens from the first one, large on a GPU, where a step costs about the same up to
+        thousands of tokens. Unchunked, it must cover a whole context, so the default grows to one."""
+        budget = self.max_batch_tokens or (2048 if on_gpu else 256)
+        if self.chunked_prefill:
+            return budget
+        if self.max_batch_tokens and budget < max_context:
+            raise ValueError(
+                f"MAX_BATCH_TOKENS ({budget}) must cover one full context ({max_context} tokens) "
+                "when CHUNKED_PREFILL is off"
+            )
+        return max(budget, max_context)
 
     def redacted(self) -> "Settings":
         """These settings, safe to log."""

@@ -4,8 +4,8 @@ import signal
 import sys
 
 from config import Settings
-from generate.engine import Engine
 from model.loader import ModelLoadError, resolve_model
+from sim.engine import simulated_engine
 
 try:
     settings = Settings.from_env()
@@ -32,7 +32,7 @@ def on_starting(server) -> None:
     """
     try:
         if settings.engine == "sim":
-            Engine.simulated(settings, announce=False)
+            simulated_engine(settings, announce=False)
         else:
             resolve_model(settings.model)
     except (ModelLoadError, ValueError) as err:  # ValueError: a ProfileError, or MAX_BATCH_TOKENS too small

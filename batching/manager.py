@@ -87,7 +87,7 @@ class BatchingManager:
             log.info("batching loop running in %s mode", self.mode)
             while not self._past_stop():
                 self._take_requests()
-                self._deliver(self.engine.step())
+                self._step()
         except BaseException as err:  # the loop must never die silently with requests waiting
             log.exception("batching loop died")
             self._fail_everything(f"the batching loop died: {type(err).__name__}: {err}")
@@ -152,9 +152,19 @@ class BatchingManager:
             self._answer(inf, error="cancelled")
         self._cancelled.clear()
 
+    def _step(self) -> None:
+        results = self.engine.step()
+        if not results:
+            return
+        started = time.perf_counter()
+        self._deliver(results)
+        self.engine.step_log.last.add_stage("deliver", time.perf_counter() - started)
+
     def _deliver(self, results: list[StepResult]) -> None:
         now = time.monotonic()
         for seq, token in results:
+            if token is None:  # a prompt chunk short of the prompt's end: nothing to deliver yet
+                continue
             inf = self._active[seq.seq_id]
             if inf.first_token_at is None:
                 inf.first_token_at = now

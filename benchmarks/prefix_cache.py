@@ -61,8 +61,9 @@ def run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> Result:
     for seq in seqs:
         engine.add(seq)
     while engine.has_work():
-        for seq, _ in engine.step():
-            first_token.setdefault(seq.seq_id, time.perf_counter() - start)
+        for seq, token in engine.step():
+            if token is not None:
+                first_token.setdefault(seq.seq_id, time.perf_counter() - start)
     duration = time.perf_counter() - start
     ttft = [first_token[s.seq_id] for s in seqs]
     scheduler = engine.scheduler

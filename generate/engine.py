@@ -11,55 +11,58 @@ from config import Settings
 from generate.model_runner import ModelRunner
 from generate.scheduler import Scheduler
 from generate.sequence import SamplingParams, Sequence, Status
+from generate.step_log import StageClock, StepLog, StepRecord
 from kvcache.block_manager import BlockManager
-from model.gpt2 import GPT
+from kvcache.pool_size import pool_blocks
 from model.loader import load_model
 from model.tokenizer import load_tokenizer
-from sim.memory import sim_kv_blocks
-from sim.runner import SimRunner
 
 log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    """What computes a step: given the scheduled sequences (prefills first), the next token of each.
+    """What computes a step: given the scheduled sequences (prefill chunks first), the next token of
+    each whose scheduled tokens reach its end (`samples_this_step`), None for the others.
 
-    It reads each sequence's block table and computed-token count, and records logprobs on
-    the sequences that ask for them; the engine does all the bookkeeping around it.
+    It reads each sequence's block table, computed and scheduled token counts, and records
+    logprobs on the sequences that ask for them; the engine does all the bookkeeping around it.
+    It laps the clock after building its inputs ("build"), the forward pass ("forward") and
+    sampling ("sample").
     """
 
     max_context: int
+    on_gpu: bool  # sets the default token budget
 
-    def run(self, seqs: list[Sequence]) -> list[int]: ...
+    def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]: ...
 
 
 class StepResult(NamedTuple):
     seq: Sequence
-    token: int
+    token: int | None  # None: the step computed a prompt chunk that does not reach the prompt's end
 
 
 class Engine:
     def __init__(
         self, runner: Runner, num_blocks: int, settings: Settings, model_name: str = "", is_random: bool = False
     ):
-        if settings.max_batch_tokens < runner.max_context:  # prefills are not chunked
-            raise ValueError(
-                f"MAX_BATCH_TOKENS ({settings.max_batch_tokens}) must cover one full context of "
-                f"{model_name or 'the model'} ({runner.max_context} tokens)"
-            )
         self.runner, self.model_name, self.is_random, self.settings = runner, model_name, is_random, settings
         self.max_context = runner.max_context
+        self.max_batch_tokens = settings.batch_token_budget(runner.on_gpu, runner.max_context)
         self.blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, settings.max_batch_size, settings.max_batch_tokens)
+        self.scheduler = Scheduler(
+            self.blocks, settings.max_batch_size, self.max_batch_tokens, settings.chunked_prefill
+        )
+        self.step_log = StepLog(settings.step_log_size)
         self.num_steps = 0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Engine":
-        if settings.engine == "sim":
-            return cls.simulated(settings)
+        """GPT-2 as MODEL, DEVICE and DTYPE say, over a KV pool sized by KV_CACHE_BLOCKS / KV_CACHE_GB."""
+        assert settings.engine == "gpt2", "ENGINE=sim builds its engine with sim.engine.simulated_engine"
         device, dtype = device_and_dtype(settings)
         loaded = load_model(settings.model, device, dtype, settings.seed)
-        num_blocks = kv_cache_blocks(settings, loaded.model, device, dtype)
+        default_budget = 0.9 * torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 4 * 2**30
+        num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(dtype), default_budget)
         log.info(
             "model %s on %s/%s; KV cache: %d blocks of %d tokens",
             loaded.name,
@@ -70,22 +73,6 @@ class Engine:
         )
         runner = ModelRunner(loaded.model, num_blocks, settings.block_size)
         return cls(runner, num_blocks, settings, loaded.name, loaded.is_random)
-
-    @classmethod
-    def simulated(cls, settings: Settings, announce: bool = True) -> "Engine":
-        """ENGINE=sim: the real scheduler and KV bookkeeping over a runner that sleeps a cost model's step time."""
-        runner = SimRunner.from_settings(settings)
-        num_blocks = sim_kv_blocks(settings, runner.gpu, runner.model, runner.num_gpus)
-        if announce:
-            for line in (
-                "=" * 72,
-                f"SIMULATED ENGINE {runner.name}: no model runs, the tokens are deterministic filler.",
-                "Each step sleeps for the time a cost model predicts: timings are a model, not a measurement.",
-                f"KV cache: {num_blocks} blocks of {settings.block_size} tokens (GPU memory minus weights)",
-                "=" * 72,
-            ):
-                log.warning(line)
-        return cls(runner, num_blocks, settings, runner.name)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request can never run here, or None if it can."""
@@ -114,21 +101,55 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepResult]:
-        """Schedule, run the model once over every scheduled sequence, retire finished."""
+        """Schedule, run the model once over every scheduled sequence's tokens, retire finished.
+
+        Every scheduled sequence gets a result; its token is None when its chunk stops short of
+        the end of its prompt. The step's record is `step_log.last`.
+        """
+        clock = StageClock()
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
-        seqs.sort(key=lambda s: s.num_new_tokens == 1)  # prefills first, as the batch wants
-        tokens = self.runner.run(seqs)
+        seqs.sort(key=lambda s: s.num_scheduled_tokens == 1)  # multi-token chunks first, as the batch wants
+        record = self._record(seqs, clock)
+        clock.lap("schedule")
+        tokens = self.runner.run(seqs, clock)
         assert len(tokens) == len(seqs)
-        self.num_steps += 1
         for seq, token in zip(seqs, tokens):
-            seq.num_computed_tokens = len(seq.token_ids)
+            assert (token is not None) == seq.samples_this_step
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
             self.blocks.commit(seq, seq.num_computed_tokens)
+            if token is None:
+                continue
             seq.append(token)
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)
+        record.stages = clock.stages
+        record.duration_s = clock.elapsed()
         return [StepResult(s, t) for s, t in zip(seqs, tokens)]
+
+    def _record(self, seqs: list[Sequence], clock: StageClock) -> StepRecord:
+        self.num_steps += 1
+        # a prompt chunk, or the recomputation of a preempted sequence; a decode computes its one new token
+        prefills = [s for s in seqs if s.num_scheduled_tokens > 1 or s.num_computed_tokens < s.num_prompt_tokens]
+        blocks, scheduler = self.blocks, self.scheduler
+        record = StepRecord(
+            index=self.num_steps,
+            started_at=clock.started_at,
+            num_decodes=len(seqs) - len(prefills),
+            num_prefills=len(prefills),
+            num_prefill_tokens=sum(s.num_scheduled_tokens for s in prefills),
+            num_sampled=sum(s.samples_this_step for s in seqs),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_used=blocks.num_used_blocks,
+            kv_blocks_cached=blocks.num_cached_blocks,
+            kv_blocks_free=blocks.num_free_blocks,
+            preemptions=scheduler.num_preemptions,
+        )
+        self.step_log.append(record)
+        return record
 
     def generate(self, prompts: Seq[Seq[int] | str], params: SamplingParams | Seq[SamplingParams]) -> list[list[int]]:
         """Generate for every prompt (token ids or text) through the scheduler; completions in order."""
@@ -146,17 +167,3 @@ def device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
     """DEVICE and DTYPE, or their defaults: cuda if available, else cpu; float16 on cuda, float32 on cpu."""
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return device, getattr(torch, settings.dtype or ("float16" if device.type == "cuda" else "float32"))
-
-
-def kv_cache_blocks(settings: Settings, model: GPT, device: torch.device, dtype: torch.dtype) -> int:
-    """Blocks in the pool: KV_CACHE_BLOCKS, else KV_CACHE_GB, else 4 GB on CPU / 90% of free GPU memory."""
-    if settings.kv_cache_blocks:
-        return settings.kv_cache_blocks
-    if settings.kv_cache_gb:
-        budget = settings.kv_cache_gb * 2**30
-    elif device.type == "cuda":
-        budget = 0.9 * torch.cuda.mem_get_info(device)[0]
-    else:
-        budget = 4 * 2**30
-    block_bytes = model.config.kv_bytes_per_token(dtype) * settings.block_size
-    return max(1, int(budget // block_bytes))

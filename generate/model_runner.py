@@ -5,6 +5,7 @@ import torch
 from generate.sampling import sample, top_logprobs
 from generate.sequence import Sequence, TokenLogprobs
 from generate.step_input import build_step_batch
+from generate.step_log import StageClock
 from model.gpt2 import GPT
 
 
@@ -15,14 +16,24 @@ class ModelRunner:
         self.model, self.block_size = model, block_size
         self.device = model.wte.weight.device
         self.max_context = model.config.n_positions
+        self.on_gpu = self.device.type == "cuda"
         model.allocate_kv_cache(num_blocks, block_size)
 
-    def run(self, seqs: list[Sequence]) -> list[int]:
-        """One forward over every sequence's new tokens (prefills first); the next token of each."""
-        logits = self.model(build_step_batch(seqs, self.block_size, self.device))  # [N, V]
-        sampled = sample(logits, *self._sampling_tensors(seqs))  # [N]
-        self._record_logprobs(seqs, logits, sampled)
-        return sampled.tolist()
+    def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]:
+        """One forward over every sequence's scheduled tokens (chunks first); the next token of each
+        sequence whose chunk reaches its end, None for the others."""
+        batch = build_step_batch(seqs, self.block_size, self.device)
+        clock.lap("build")
+        logits = self.model(batch)  # [N, V], N = sequences that sample
+        clock.lap("forward")
+        sampling = [s for s in seqs if s.samples_this_step]
+        if not sampling:
+            return [None] * len(seqs)
+        sampled = sample(logits, *self._sampling_tensors(sampling))  # [N]
+        self._record_logprobs(sampling, logits, sampled)
+        tokens = iter(sampled.tolist())
+        clock.lap("sample")
+        return [next(tokens) if s.samples_this_step else None for s in seqs]
 
     @staticmethod
     def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, sampled: torch.Tensor) -> None:

@@ -1,10 +1,14 @@
-"""Which sequences run in the next step: first come, first served, preempting under pressure.
+"""Which sequences run in the next step, and how many tokens each computes in it.
 
-Every step each running sequence gets a cache slot for its next token (decode), then
-waiting sequences are admitted in arrival order while blocks and the token budget last
-(prefill). Prefills and decodes share the step. When a running sequence needs a block
-and none is left, the most recently admitted sequence gives its blocks back and goes to
-the front of the queue to be recomputed later, so the oldest requests always progress.
+Every step has a token budget (MAX_BATCH_TOKENS). Running sequences that decode take one
+token each first, so a long prompt never stalls them; sequences part-way through their
+prompt take chunks of what is left, in admission order; then waiting sequences are
+admitted in arrival order while blocks and budget last, their first chunk in the same
+step. Without chunked prefill a prompt is admitted only when all of it fits the budget.
+A sequence gets blocks for its whole prompt at admission, so a prefill never stalls
+half-way for memory. When a running sequence needs a block for its next token and none
+is left, the most recently admitted sequence gives its blocks back and goes to the front
+of the queue to be recomputed later, so the oldest requests always progress.
 """
 
 from collections import deque
@@ -14,10 +18,13 @@ from kvcache.block_manager import BlockManager, KVCacheExhausted
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool):
+        assert max_num_batched_tokens >= 1
         self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
+        # Every running sequence decodes one token per step, so no more may run than the budget has tokens.
+        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         # Keep a few blocks back when admitting beside running sequences, so that their
         # next decode steps do not immediately preempt the newcomer.
         self.watermark = blocks.num_blocks // 100
@@ -35,41 +42,53 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Sequence]:
-        """Reserve cache slots for the next step and return the sequences to run in it."""
-        scheduled, preempted = self._schedule_decodes()
+        """Reserve cache slots for the next step; the sequences to run, each with its num_scheduled_tokens set."""
+        for seq in self.running:
+            seq.num_scheduled_tokens = 0
+        preempted = self._reserve_slots()
+        budget = self.max_num_batched_tokens
+        scheduled = []
+        # decodes first (at most one token each, and running <= budget), then prompt chunks
+        for seq in sorted(self.running, key=lambda s: s.num_new_tokens > 1):
+            chunk = min(seq.num_new_tokens, budget)
+            if chunk == 0:
+                break
+            seq.num_scheduled_tokens = chunk
+            budget -= chunk
+            scheduled.append(seq)
         if not preempted:
-            scheduled += self._admit(budget=self.max_num_batched_tokens - len(scheduled))
+            scheduled += self._admit(budget)
         return scheduled
 
-    def _schedule_decodes(self) -> tuple[list[Sequence], bool]:
-        scheduled, preempted, i = [], False, 0
+    def _reserve_slots(self) -> bool:
+        """Give every running sequence room for its tokens, preempting the newest when blocks run out."""
+        preempted, i = False, 0
         while i < len(self.running):
-            seq = self.running[i]
             try:
-                self.blocks.append_slot(seq)
+                self.blocks.append_slot(self.running[i])
             except KVCacheExhausted:
-                self._preempt(self.running[-1])  # the newest; may be `seq` itself
+                self._preempt(self.running[-1])  # the newest; may be running[i] itself
                 preempted = True
                 continue
-            scheduled.append(seq)
             i += 1
-        return scheduled, preempted
+        return preempted
 
     def _admit(self, budget: int) -> list[Sequence]:
         admitted = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             reserve = self.watermark if self.running else 0
             blocks, tokens = self.blocks.admission_cost(seq)
-            if tokens > budget or blocks + reserve > self.blocks.num_free_blocks:
+            if (tokens > budget and not self.chunked_prefill) or blocks + reserve > self.blocks.num_free_blocks:
                 break  # strictly first come, first served: nobody overtakes the head
             self.waiting.popleft()
             self.blocks.allocate(seq)
             seq.num_computed_tokens = seq.num_cached_tokens
+            seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
-            budget -= seq.num_new_tokens
+            budget -= seq.num_scheduled_tokens
             self.prompt_tokens_admitted += len(seq.token_ids)
             self.prompt_tokens_cached += seq.num_cached_tokens
         return admitted
@@ -77,7 +96,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_scheduled_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

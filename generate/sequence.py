@@ -54,6 +54,7 @@ class Sequence:
     # KV state, owned by the block manager and the engine
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
+    num_scheduled_tokens: int = 0  # tokens the current step computes: a prompt chunk, or the last token
     num_cached_tokens: int = 0  # of those, taken from the prefix cache at admission
     num_committed_blocks: int = 0
     num_preemptions: int = 0
@@ -71,8 +72,15 @@ class Sequence:
 
     @property
     def num_new_tokens(self) -> int:
-        """Tokens to compute this step: the whole uncached prompt, or the last generated one."""
+        """Tokens not yet in the cache: the rest of the prompt, or the last generated one."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def samples_this_step(self) -> bool:
+        """Whether the scheduled tokens reach the end, so the step gives this sequence a next token."""
+        return self.num_scheduled_tokens > 0 and self.num_computed_tokens + self.num_scheduled_tokens == len(
+            self.token_ids
+        )
 
     def append(self, token: int) -> None:
         """Record a sampled token; mark the sequence finished if it ends here."""

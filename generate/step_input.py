@@ -7,16 +7,18 @@ from model.gpt2 import AttentionGroup, StepBatch
 
 
 def build_step_batch(seqs: list[Sequence], block_size: int, device: torch.device) -> StepBatch:
-    """Rows: the new tokens of each sequence, in the order given (prefills first)."""
+    """Rows: the scheduled tokens of each sequence, in the order given (multi-token chunks first);
+    logits rows: the last row of each sequence that samples a next token this step."""
     input_ids, positions, slots, last_rows = [], [], [], []
     for seq in seqs:
-        start, end = seq.num_computed_tokens, len(seq.token_ids)
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
         assert end > start, "a scheduled sequence has a token to compute"
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
         slots += (seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        last_rows.append(len(input_ids) - 1)
-    prefills = [s for s in seqs if s.num_new_tokens > 1]
+        if seq.samples_this_step:
+            last_rows.append(len(input_ids) - 1)
+    prefills = [s for s in seqs if s.num_scheduled_tokens > 1]
     assert seqs[: len(prefills)] == prefills, "prefills must come first"
     groups = []
     if prefills:
@@ -31,13 +33,13 @@ def build_step_batch(seqs: list[Sequence], block_size: int, device: torch.device
         positions=torch.tensor(positions).to(**to),
         slot_mapping=torch.tensor(slots).to(**to),
         groups=[AttentionGroup(*(t if t is None else t.to(**to) for t in g)) for g in groups],
-        logits_rows=torch.tensor(last_rows).to(**to),
+        logits_rows=torch.tensor(last_rows, dtype=torch.long).to(**to),
     )
 
 
 def _key_blocks(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's blocks up to its context, padded with block 0; and the context lengths."""
-    context = torch.tensor([len(s.token_ids) for s in seqs])  # [B]
+    """Each sequence's blocks up to the end of its chunk, padded with block 0; and those context lengths."""
+    context = torch.tensor([s.num_computed_tokens + s.num_scheduled_tokens for s in seqs])  # [B]
     width = -(-int(context.max()) // block_size)
     tables = [s.block_table[:width] for s in seqs]
     return torch.tensor([t + [0] * (width - len(t)) for t in tables]), context  # [B, nb], [B]
@@ -52,7 +54,7 @@ def _decode_group(seqs: list[Sequence], block_size: int, first_row: int) -> tupl
 
 def _prefill_group(seqs: list[Sequence], block_size: int) -> tuple:
     key_blocks, context = _key_blocks(seqs, block_size)  # [B, nb], [B]
-    new = torch.tensor([s.num_new_tokens for s in seqs])  # [B]
+    new = torch.tensor([s.num_scheduled_tokens for s in seqs])  # [B]
     first_row = torch.cumsum(new, 0) - new  # [B]
     longest = int(new.max())
     i = torch.arange(longest)  # query offsets

@@ -3,6 +3,7 @@
 import math
 
 from config import Settings
+from kvcache.pool_size import pool_blocks
 from sim.profiles import GpuProfile, ModelProfile, ProfileError
 
 MEMORY_FRACTION = 0.9  # of device memory for weights + KV cache; the rest is activations and the runtime
@@ -21,13 +22,8 @@ def sim_kv_blocks(settings: Settings, gpu: GpuProfile, model: ModelProfile, num_
             f"{model.name} does not fit: {model.weight_bytes / 1e9:.1f} GB of weights, "
             f"{usable / 1e9:.1f} GB usable on {num_gpus} x {gpu.name}; set SIM_NUM_GPUS to at least {needed}"
         )
-    if settings.kv_cache_blocks:
-        return settings.kv_cache_blocks
-    block_bytes = model.kv_bytes_per_token * settings.block_size
-    if settings.kv_cache_gb:
-        return max(1, int(settings.kv_cache_gb * 2**30 // block_bytes))
-    blocks = int((usable - model.weight_bytes) // block_bytes)
-    if blocks * settings.block_size < model.context_len:
+    blocks = pool_blocks(settings, model.kv_bytes_per_token, usable - model.weight_bytes)
+    if not (settings.kv_cache_blocks or settings.kv_cache_gb) and blocks * settings.block_size < model.context_len:
         raise ProfileError(
             f"{model.name} leaves room for {blocks * settings.block_size} tokens of KV cache on "
             f"{num_gpus} x {gpu.name}, less than one {model.context_len}-token context; raise SIM_NUM_GPUS"

@@ -28,6 +28,7 @@ from config import Settings
 from generate.engine import Engine, device_and_dtype
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
+from generate.step_log import StageClock
 from model.gpt2 import GPTConfig
 from model.loader import load_model
 from sim.cost import step_bytes, step_cost, step_flops
@@ -74,10 +75,12 @@ class _Runner:
     """The model runner, able to skip a step's compute when only the cache's layout matters."""
 
     def __init__(self, inner: ModelRunner):
-        self.inner, self.max_context, self.skip = inner, inner.max_context, False
+        self.inner, self.max_context, self.on_gpu, self.skip = inner, inner.max_context, inner.on_gpu, False
 
-    def run(self, seqs: list[Sequence]) -> list[int]:
-        return [0] * len(seqs) if self.skip else self.inner.run(seqs)
+    def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]:
+        if self.skip:
+            return [0 if s.samples_this_step else None for s in seqs]
+        return self.inner.run(seqs, clock)
 
 
 def measure(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from config import Settings
 from generate.sequence import Sequence, TokenLogprobs
+from generate.step_log import StageClock
 from model.tokenizer import EOT_ID
 from sim.cost import StepCost, step_cost
 from sim.profiles import GpuProfile, ModelProfile, load_gpu, load_model
@@ -30,6 +31,7 @@ class SimRunner:
     ):
         self.gpu, self.model, self.num_gpus, self.sleep = gpu, model, num_gpus, sleep
         self.max_context = model.context_len
+        self.on_gpu = True  # simulated GPUs: the GPU default token budget
         gpus = f"{num_gpus}x{gpu.name}" if num_gpus > 1 else gpu.name
         self.name = f"sim:{model.name}@{gpus}"  # reported everywhere, so no one takes the timings for real ones
         self.simulated_s = 0.0  # total step time slept so far
@@ -40,16 +42,20 @@ class SimRunner:
         return cls(load_gpu(settings.sim_gpu), model, settings.sim_num_gpus, sleep)
 
     def cost(self, seqs: list[Sequence]) -> StepCost:
-        return step_cost(self.gpu, self.model, [(s.num_new_tokens, len(s.token_ids)) for s in seqs], self.num_gpus)
+        chunks = [(s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in seqs]
+        return step_cost(self.gpu, self.model, chunks, self.num_gpus)
 
-    def run(self, seqs: list[Sequence]) -> list[int]:
+    def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]:
         seconds = self.cost(seqs).total_s
+        clock.lap("build")
         self.sleep(seconds)
         self.simulated_s += seconds
-        tokens = [next_token(s.token_ids) for s in seqs]
+        clock.lap("forward")
+        tokens = [next_token(s.token_ids) if s.samples_this_step else None for s in seqs]
         for seq, token in zip(seqs, tokens):
-            if seq.params.logprobs is not None:
+            if token is not None and seq.params.logprobs is not None:
                 # The simulated model is deterministic: the chosen token has probability 1.
                 top = ((token, 0.0),) if seq.params.logprobs else ()
                 seq.logprobs.append(TokenLogprobs(0.0, top))
+        clock.lap("sample")
         return tokens

@@ -34,6 +34,7 @@ def logits_of(engine: Engine, seq: Sequence, start: int, end: int) -> torch.Tens
 def _upto(seq: Sequence, end: int) -> Sequence:
     view = Sequence(seq.token_ids[:end])
     view.block_table, view.num_computed_tokens = seq.block_table, seq.num_computed_tokens
+    view.num_scheduled_tokens = end - seq.num_computed_tokens
     return view
 
 
