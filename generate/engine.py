@@ -25,7 +25,8 @@ class Runner(Protocol):
     each whose scheduled tokens reach its end (`samples_this_step`), None for the others.
 
     It reads each sequence's block table, computed and scheduled token counts, and records
-    logprobs on the sequences that ask for them; the engine does all the bookkeeping around it.
+    logprobs and prompt logprobs (`Sequence.logits_positions`) on the sequences that ask for
+    them; the engine does all the bookkeeping around it.
     It laps the clock after building its inputs ("build"), the forward pass ("forward") and
     sampling ("sample").
     """
@@ -104,7 +105,9 @@ class Engine:
         """Schedule, run the model once over every scheduled sequence's tokens, retire finished.
 
         Every scheduled sequence gets a result; its token is None when its chunk stops short of
-        the end of its prompt. The step's record is `step_log.last`.
+        the end of its prompt (or it computes its prompt only). A sequence ends only here, when
+        `Sequence.append` says so or a prompt-only one has computed its prompt, or by `abort`.
+        The step's record is `step_log.last`.
         """
         clock = StageClock()
         seqs = self.scheduler.schedule()
@@ -120,9 +123,10 @@ class Engine:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.blocks.commit(seq, seq.num_computed_tokens)
-            if token is None:
-                continue
-            seq.append(token)
+            if token is not None:
+                seq.append(token)  # which decides whether the sequence ends here
+            elif seq.prompt_only and seq.num_computed_tokens == seq.num_prompt_tokens:
+                seq.end("length")  # nothing to generate: its prompt's log-probabilities were the point
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)
         record.stages = clock.stages

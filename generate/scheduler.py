@@ -9,6 +9,13 @@ A sequence gets blocks for its whole prompt at admission, so a prefill never sta
 half-way for memory. When a running sequence needs a block for its next token and none
 is left, the most recently admitted sequence gives its blocks back and goes to the front
 of the queue to be recomputed later, so the oldest requests always progress.
+
+n completions of one prompt arrive as a leader followed by its forks. A fork admitted while
+its leader runs shares the leader's full prompt blocks (BlockManager.fork) and waits, taking
+no budget, until the leader has computed them; then it computes only its prompt's last,
+partial block and goes on alone. The prompt is computed once, with or without the prefix
+cache. A fork that cannot share (its leader gone, or itself preempted) computes its prompt
+like any other sequence. A fork is admitted after its leader, so it is preempted before it.
 """
 
 from collections import deque
@@ -50,6 +57,8 @@ class Scheduler:
         scheduled = []
         # decodes first (at most one token each, and running <= budget), then prompt chunks
         for seq in sorted(self.running, key=lambda s: s.num_new_tokens > 1):
+            if self._waits_for_leader(seq):
+                continue
             chunk = min(seq.num_new_tokens, budget)
             if chunk == 0:
                 break
@@ -74,32 +83,65 @@ class Scheduler:
         return preempted
 
     def _admit(self, budget: int) -> list[Sequence]:
-        admitted = []
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        """Admit waiting sequences in order while seats, blocks and budget last; those that compute now."""
+        scheduled = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            leader = self._running_leader(seq)
+            if leader is None and budget == 0:
+                break  # a fork needs no budget until its leader has computed what they share
             reserve = self.watermark if self.running else 0
-            blocks, tokens = self.blocks.admission_cost(seq)
+            blocks, tokens = self.blocks.fork_cost(seq) if leader else self.blocks.admission_cost(seq)
             if (tokens > budget and not self.chunked_prefill) or blocks + reserve > self.blocks.num_free_blocks:
                 break  # strictly first come, first served: nobody overtakes the head
             self.waiting.popleft()
-            self.blocks.allocate(seq)
+            if leader:
+                self.blocks.fork(seq, leader)
+            else:
+                self.blocks.allocate(seq)
+                self.prompt_tokens_admitted += len(seq.token_ids)  # prefix-cache queries and hits; forks share
+                self.prompt_tokens_cached += seq.num_cached_tokens
+            if seq.num_cached_prompt_tokens is None:
+                seq.num_cached_prompt_tokens = 0 if leader else seq.num_cached_tokens
             seq.num_computed_tokens = seq.num_cached_tokens
-            seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            admitted.append(seq)
-            budget -= seq.num_scheduled_tokens
-            self.prompt_tokens_admitted += len(seq.token_ids)
-            self.prompt_tokens_cached += seq.num_cached_tokens
-        return admitted
+            if not self._waits_for_leader(seq):
+                seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
+                budget -= seq.num_scheduled_tokens
+                if seq.num_scheduled_tokens:
+                    scheduled.append(seq)
+        return scheduled
+
+    @staticmethod
+    def _running_leader(seq: Sequence) -> Sequence | None:
+        """The running sequence whose prompt blocks `seq` can share; None (and `seq` on its own) if none."""
+        if seq.fork_of is not None and seq.fork_of.status is not Status.RUNNING:
+            seq.fork_of = None  # its leader has gone: it computes its prompt itself
+        return seq.fork_of
+
+    @staticmethod
+    def _waits_for_leader(seq: Sequence) -> bool:
+        """Whether `seq` still waits for its leader to compute the blocks they share (then it leaves it)."""
+        if seq.fork_of is None:
+            return False
+        if seq.fork_of.num_computed_tokens < seq.num_cached_tokens:
+            return True
+        seq.leave_leader()
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Give a running sequence's blocks back and put it at the front of the queue, to be recomputed."""
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed_tokens = seq.num_scheduled_tokens = 0
+        seq.fork_of = None  # its shared blocks are gone: it computes its prompt itself
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -110,3 +152,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.FINISHED
+        # Forks still waiting for this sequence's prompt (it was aborted part-way) compute their own.
+        for fork in [s for s in self.running if s.fork_of is seq and self._waits_for_leader(s)]:
+            self._requeue(fork)

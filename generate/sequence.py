@@ -2,35 +2,56 @@
 
 import enum
 import itertools
+import random
 import secrets
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import torch
+from typing import NamedTuple, Protocol
 
 from model.tokenizer import EOT_ID
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: compute the prompt only (for its log-probabilities), generate nothing
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: int | None = None  # None: a fresh random seed
     stop_at_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    min_tokens: int = 0  # neither end-of-text nor a stop string ends the sequence before this many tokens
+    presence_penalty: float = 0.0  # OpenAI's, over generated tokens: logit -= presence * [count > 0]
+    frequency_penalty: float = 0.0  # ... and -= frequency * count
+    repetition_penalty: float = 1.0  # CTRL's, over prompt and generated tokens: logit / p if > 0, else logit * p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit before sampling)
 
     def __post_init__(self) -> None:
-        assert self.max_tokens >= 1 and self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1
+        assert self.max_tokens >= 0 and self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1
         assert self.logprobs is None or self.logprobs >= 0
+        assert self.prompt_logprobs is None or self.prompt_logprobs >= 0
+        assert 0 <= self.min_tokens <= self.max_tokens and self.repetition_penalty > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
 
 class TokenLogprobs(NamedTuple):
-    """Log-probabilities under the model's own distribution (before temperature, top-k, top-p)."""
+    """Log-probabilities under the model's own distribution (before temperature, top-k, top-p, penalties, bias)."""
 
-    logprob: float  # of the token that was chosen
+    logprob: float  # of the token that was chosen (or, for a prompt token, the one that is there)
     top: tuple[tuple[int, float], ...]  # the most likely tokens, most likely first
+
+
+class StopChecker(Protocol):
+    """What ends a sequence on its text (stop strings): supplied by the layer that knows text, consulted
+    by Sequence.append, so that a sequence's end is decided in one place whatever ends it."""
+
+    def stops_at(self, token_id: int, may_stop: bool) -> bool:
+        """Take the next generated token (every one, in order); whether the sequence ends with it.
+        `may_stop` is False while the sequence is short of its min_tokens: the text goes on regardless."""
+        ...
 
 
 class Status(enum.Enum):
@@ -46,29 +67,39 @@ _ids = itertools.count()
 class Sequence:
     token_ids: list[int]  # prompt, then generated tokens
     params: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopChecker | None = None
+    # A sequence of the same prompt, added just before this one, whose full prompt blocks this one shares
+    # instead of computing them (n completions of one prompt); None once it runs on its own.
+    fork_of: "Sequence | None" = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_prompt_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" or "stop"
-    generator: torch.Generator = field(init=False)
+    rng: random.Random = field(init=False)  # this sequence's own uniforms: one request's seed touches no other's
     # KV state, owned by the block manager and the engine
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     num_scheduled_tokens: int = 0  # tokens the current step computes: a prompt chunk, or the last token
-    num_cached_tokens: int = 0  # of those, taken from the prefix cache at admission
+    num_cached_tokens: int = 0  # of those, taken at admission from the prefix cache (or the sequence forked)
+    num_cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_committed_blocks: int = 0
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if asked for
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per prompt token after the first
 
     def __post_init__(self) -> None:
         assert self.token_ids, "a sequence needs at least one prompt token"
         self.num_prompt_tokens = len(self.token_ids)
         seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
 
     @property
     def completion_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_new_tokens(self) -> int:
@@ -76,18 +107,57 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def prompt_only(self) -> bool:
+        """Computes its prompt (for the prompt's log-probabilities) and ends there."""
+        return self.params.max_tokens == 0
+
+    @property
     def samples_this_step(self) -> bool:
         """Whether the scheduled tokens reach the end, so the step gives this sequence a next token."""
-        return self.num_scheduled_tokens > 0 and self.num_computed_tokens + self.num_scheduled_tokens == len(
-            self.token_ids
-        )
+        end = self.num_computed_tokens + self.num_scheduled_tokens
+        return self.num_scheduled_tokens > 0 and end == len(self.token_ids) and not self.prompt_only
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """A cached block holds keys and values, not logits: a sequence that still needs its prompt's
+        log-probabilities computes its whole prompt (it may still fill the cache for others)."""
+        return self.params.prompt_logprobs is None or len(self.prompt_logprobs) == self.num_prompt_tokens - 1
+
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this step's chunk whose logits give a prompt token's log-probability not recorded yet:
+        position p gives that of token p + 1 (a recomputation after preemption skips those it has)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        start = max(self.num_computed_tokens, len(self.prompt_logprobs))
+        return range(start, min(self.num_computed_tokens + self.num_scheduled_tokens, self.num_prompt_tokens - 1))
+
+    def logits_positions(self) -> list[int]:
+        """Positions of this step's chunk whose logits the step needs: prompt log-probabilities first,
+        then the last position when the step samples the next token."""
+        positions = list(self.prompt_logprob_positions())
+        if self.samples_this_step:
+            positions.append(self.num_computed_tokens + self.num_scheduled_tokens - 1)
+        return positions
+
+    def leave_leader(self) -> None:
+        """The sequence this one forked from has computed the shared blocks: take the prompt log-probabilities
+        it has (the same prompt) and go on alone."""
+        if self.params.prompt_logprobs is not None and self.fork_of is not None:
+            self.prompt_logprobs = list(self.fork_of.prompt_logprobs)
+        self.fork_of = None
 
     def append(self, token: int) -> None:
-        """Record a sampled token; mark the sequence finished if it ends here."""
+        """Record a sampled token and decide whether the sequence ends with it: end-of-text, a stop string
+        (through the stop checker) or its length. This is the one place a sequence's end is decided."""
         self.token_ids.append(token)
-        if self.params.stop_at_eos and token == EOT_ID:
-            self.finish_reason = "stop"
-        elif len(self.token_ids) - self.num_prompt_tokens >= self.params.max_tokens:
-            self.finish_reason = "length"
-        if self.finish_reason:
-            self.status = Status.FINISHED
+        may_stop = self.num_generated >= self.params.min_tokens
+        if self.params.stop_at_eos and token == EOT_ID and may_stop:
+            self.end("stop")  # the end-of-text token is no text: the stop checker never sees it
+        elif self.stop is not None and self.stop.stops_at(token, may_stop):
+            self.end("stop")
+        elif self.num_generated >= self.params.max_tokens:
+            self.end("length")
+
+    def end(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.status = Status.FINISHED

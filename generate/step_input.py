@@ -8,16 +8,15 @@ from model.gpt2 import AttentionGroup, StepBatch
 
 def build_step_batch(seqs: list[Sequence], block_size: int, device: torch.device) -> StepBatch:
     """Rows: the scheduled tokens of each sequence, in the order given (multi-token chunks first);
-    logits rows: the last row of each sequence that samples a next token this step."""
-    input_ids, positions, slots, last_rows = [], [], [], []
+    logits rows: those of each sequence's logits positions (Sequence.logits_positions), in order."""
+    input_ids, positions, slots, logits_rows = [], [], [], []
     for seq in seqs:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
         assert end > start, "a scheduled sequence has a token to compute"
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
         slots += (seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        if seq.samples_this_step:
-            last_rows.append(len(input_ids) - 1)
+        logits_rows += (len(input_ids) - end + p for p in seq.logits_positions())
     prefills = [s for s in seqs if s.num_scheduled_tokens > 1]
     assert seqs[: len(prefills)] == prefills, "prefills must come first"
     groups = []
@@ -33,7 +32,7 @@ def build_step_batch(seqs: list[Sequence], block_size: int, device: torch.device
         positions=torch.tensor(positions).to(**to),
         slot_mapping=torch.tensor(slots).to(**to),
         groups=[AttentionGroup(*(t if t is None else t.to(**to) for t in g)) for g in groups],
-        logits_rows=torch.tensor(last_rows, dtype=torch.long).to(**to),
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long).to(**to),
     )
 
 

@@ -5,6 +5,10 @@ sequences; several only when shared through the prefix trie) or in the free queu
 free queue is also the eviction order: blocks that hold cached prefixes wait at its tail
 in least-recently-used order and keep their KV until they are reused; plain free blocks
 wait at its head, so they are used before any cached block is evicted.
+
+Blocks are shared two ways: through the prefix trie, and by a fork (one of n completions of
+one prompt), which shares its leader's full prompt blocks and computes only the block that
+holds the prompt's last token, for its own logits. Both are plain references here.
 """
 
 from collections import OrderedDict
@@ -23,6 +27,7 @@ class SequenceBlocks(Protocol):
     block_table: list[int]
     num_cached_tokens: int  # tokens taken from the prefix cache at admission
     num_committed_blocks: int  # leading full blocks already offered to the prefix cache
+    reads_prefix_cache: bool  # False: compute every token (a cached block has no logits to give)
 
 
 class BlockManager:
@@ -58,10 +63,14 @@ class BlockManager:
 
     # --- sequences ------------------------------------------------------------------
     def _match(self, seq: SequenceBlocks) -> list[int]:
-        if self.trie is None:
+        if self.trie is None or not seq.reads_prefix_cache:
             return []
         # Leave at least one token to compute: its logits give the next token.
-        return self.trie.match(seq.token_ids, max_blocks=(len(seq.token_ids) - 1) // self.block_size)
+        return self.trie.match(seq.token_ids, max_blocks=self._num_shareable(seq))
+
+    def _num_shareable(self, seq: SequenceBlocks) -> int:
+        """Full blocks before the one holding the last token, which a sequence always computes itself."""
+        return (len(seq.token_ids) - 1) // self.block_size
 
     def admission_cost(self, seq: SequenceBlocks) -> tuple[int, int]:
         """(free blocks that admitting `seq` would take, tokens it would have to compute)."""
@@ -84,6 +93,27 @@ class BlockManager:
         seq.block_table = cached + [self._take_free() for _ in range(self.blocks_for(len(seq.token_ids)) - len(cached))]
         seq.num_cached_tokens = len(cached) * self.block_size
         seq.num_committed_blocks = len(cached)
+
+    def fork_cost(self, seq: SequenceBlocks) -> tuple[int, int]:
+        """(free blocks, tokens to compute) of admitting `seq` as a fork of a running sequence of its prompt."""
+        shared = self._num_shareable(seq)
+        return self.blocks_for(len(seq.token_ids)) - shared, len(seq.token_ids) - shared * self.block_size
+
+    def fork(self, seq: SequenceBlocks, leader: SequenceBlocks) -> None:
+        """Admit `seq`, whose prompt starts `leader`'s tokens, sharing the leader's full prompt blocks; its
+        own blocks start after them. It must not compute until the leader has computed the shared ones."""
+        assert not seq.block_table, "sequence already holds blocks"
+        shared = self._num_shareable(seq)
+        end = shared * self.block_size
+        assert leader.token_ids[:end] == seq.token_ids[:end] and len(leader.block_table) >= shared
+        needed = self.blocks_for(len(seq.token_ids)) - shared
+        if needed > len(self._free):
+            raise KVCacheExhausted(f"a fork needs {needed} blocks, {len(self._free)} are free")
+        for block in leader.block_table[:shared]:
+            self._acquire(block)
+        seq.block_table = leader.block_table[:shared] + [self._take_free() for _ in range(needed)]
+        seq.num_cached_tokens = end
+        seq.num_committed_blocks = shared  # the leader offers the shared blocks to the prefix cache
 
     def append_slot(self, seq: SequenceBlocks) -> None:
         """Make room for the sequence's last token, taking a new block at a block boundary."""

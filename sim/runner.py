@@ -4,9 +4,9 @@ Everything around it is real: the scheduler, the block manager and its prefix tr
 batching manager, the API. Only the model is replaced: a step sleeps for the time the cost
 model gives the scheduled sequences on the simulated GPUs, then returns, for each sequence,
 a token that depends only on its last token and its length. That token is never
-<|endoftext|>, so every request runs to its max_tokens, and temperature, top-k, top-p and
-seed change nothing. The text is GPT-2-tokenizer filler whatever model is simulated: the
-simulation is of time and memory, not of words.
+<|endoftext|>, so every request runs to its max_tokens, and temperature, top-k, top-p,
+penalties, logit bias and seed change nothing. The text is GPT-2-tokenizer filler whatever
+model is simulated: the simulation is of time and memory, not of words.
 """
 
 import time
@@ -53,9 +53,13 @@ class SimRunner:
         clock.lap("forward")
         tokens = [next_token(s.token_ids) if s.samples_this_step else None for s in seqs]
         for seq, token in zip(seqs, tokens):
+            # The simulated model is deterministic: every token it sees or chooses has probability 1.
+            seq.prompt_logprobs += [_certain(seq.token_ids[p + 1], k) for p in seq.prompt_logprob_positions()]
             if token is not None and seq.params.logprobs is not None:
-                # The simulated model is deterministic: the chosen token has probability 1.
-                top = ((token, 0.0),) if seq.params.logprobs else ()
-                seq.logprobs.append(TokenLogprobs(0.0, top))
+                seq.logprobs.append(_certain(token, seq.params.logprobs))
         clock.lap("sample")
         return tokens
+
+
+def _certain(token: int, top_n: int | None) -> TokenLogprobs:
+    return TokenLogprobs(0.0, ((token, 0.0),) if top_n else ())

@@ -15,6 +15,7 @@ class FakeSeq:  # exactly the SequenceBlocks protocol
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_committed_blocks: int = 0
+    reads_prefix_cache: bool = True
 
 
 def tokens(first: int, n: int) -> list[int]:

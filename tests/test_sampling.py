@@ -1,12 +1,15 @@
 """sample(): greedy, temperature, top-k and top-p per row, row isolation, and seeded sequences."""
 
 import math
+import random
 
 import pytest
 import torch
 
-from generate.sampling import sample
+from generate.sampling import SamplingRow, SamplingTensors, sample
 from generate.sequence import SamplingParams, Sequence
+
+CPU = torch.device("cpu")
 
 # Probabilities 0.1, 0.2, 0.3, 0.4: the inverse CDF at temperature 1 is easy to read off.
 QUARTER_LOGITS = [math.log(p) for p in (0.1, 0.2, 0.3, 0.4)]
@@ -22,14 +25,16 @@ def draw(
     top_p: float = 1.0,
 ) -> list[int]:
     """Sample one row of logits once per uniform, all rows with the same settings."""
-    n = len(uniform)
-    return sample(
-        torch.tensor([logits] * n, dtype=torch.float32),
-        torch.full((n,), temperature),
-        torch.full((n,), top_k, dtype=torch.long),
-        torch.full((n,), top_p),
-        uniform,
-    ).tolist()
+    rows = [SamplingRow(temperature, top_k, top_p, float(u)) for u in uniform]
+    return sample_rows(torch.tensor([logits] * len(rows), dtype=torch.float32), rows).tolist()
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    return sample(logits, SamplingTensors.build(rows, logits.shape[1], CPU))
+
+
+def settings_rows(temperature, top_k, top_p, uniform) -> list[SamplingRow]:
+    return [SamplingRow(float(t), int(k), float(p), float(u)) for t, k, p, u in zip(temperature, top_k, top_p, uniform)]
 
 
 def uniforms(n: int, seed: int = 0) -> torch.Tensor:
@@ -91,7 +96,7 @@ def test_greedy_rows_return_argmax_whatever_other_rows_do() -> None:
     top_k = torch.tensor([3, 2, 0, 1])
     top_p = torch.tensor([0.2, 0.6, 1.0, 0.3])
     for u in (0.0, 0.5, 0.999):
-        out = sample(logits, temperature, top_k, top_p, torch.full((4,), u))
+        out = sample_rows(logits, settings_rows(temperature, top_k, top_p, [u] * 4))
         assert out[0] == 1 and out[2] == 3
 
 
@@ -100,14 +105,13 @@ def test_greedy_row_is_argmax_even_when_the_top_two_nearly_tie() -> None:
     logits = torch.tensor([[2.0, 2.00001, 0.0], [0.0, 1.0, 2.0]])
     temperature = torch.tensor([0.0, 1.0])
     for u in (0.0, 0.3):
-        out = sample(logits, temperature, torch.zeros(2, dtype=torch.long), torch.ones(2), torch.full((2,), u))
+        out = sample_rows(logits, settings_rows(temperature, [0, 0], [1, 1], [u, u]))
         assert out[0] == 1
 
 
 def test_all_greedy_batch_returns_argmax() -> None:
     logits = torch.tensor([[0.0, 1.0, -1.0], [7.0, 2.0, 6.5]])
-    zero = torch.zeros(2)
-    out = sample(logits, zero, torch.zeros(2, dtype=torch.long), torch.ones(2), torch.full((2,), 0.99))
+    out = sample_rows(logits, settings_rows([0, 0], [0, 0], [1, 1], [0.99, 0.99]))
     assert out.tolist() == [1, 0]
 
 
@@ -171,13 +175,7 @@ def test_a_row_is_sampled_the_same_alone_or_in_a_mixed_batch(temperature: float,
         ks += [top_k, k]
         ps += [top_p, p]
         us += [float(u[i]), 1 - float(u[i])]
-    mixed = sample(
-        torch.tensor(logits),
-        torch.tensor(temps),
-        torch.tensor(ks, dtype=torch.long),
-        torch.tensor(ps),
-        torch.tensor(us),
-    )
+    mixed = sample_rows(torch.tensor(logits), settings_rows(temps, ks, ps, us))
     assert mixed[0::2].tolist() == alone
     assert len(set(alone)) > 1  # the comparison is not between constants
 
@@ -222,8 +220,9 @@ def test_uniform_next_to_one_never_picks_a_masked_token(u: torch.Tensor) -> None
 def test_same_seed_same_stream_different_seed_different_stream() -> None:
     def stream(seed: int) -> list[float]:
         seq = Sequence([1, 2, 3], SamplingParams(seed=seed))
-        return torch.rand(8, generator=seq.generator).tolist()
+        return [seq.rng.random() for _ in range(8)]
 
     assert stream(7) == stream(7)
     assert stream(7) != stream(8)
-    assert stream(7) == torch.rand(8, generator=torch.Generator().manual_seed(7)).tolist()
+    reference = random.Random(7)
+    assert stream(7) == [reference.random() for _ in range(8)]
