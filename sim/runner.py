@@ -54,9 +54,8 @@ class SimRunner:
         tokens = [next_token(s.token_ids) if s.samples_this_step else None for s in seqs]
         for seq, token in zip(seqs, tokens):
             # The simulated model is deterministic: every token it sees or chooses has probability 1.
-            seq.prompt_logprobs += [
-                _certain(seq.token_ids[p + 1], seq.params.prompt_logprobs) for p in seq.prompt_logprob_positions()
-            ]
+            positions, top_n = seq.prompt_logprob_positions(), seq.params.prompt_logprobs
+            seq.prompt_logprobs += [_certain(seq.token_ids[p + 1], top_n) for p in positions]
             if token is not None and seq.params.logprobs is not None:
                 seq.logprobs.append(_certain(token, seq.params.logprobs))
         clock.lap("sample")
