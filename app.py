@@ -6,7 +6,8 @@ import logging
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import openai, simple
+from api import chat, openai, simple, tokenize
+from api.chat_template import ChatTemplate
 from api.serving import Server
 from api.validation import ApiError
 from batching.manager import BatchingManager
@@ -24,15 +25,16 @@ def create_app(settings: Settings | None = None) -> Flask:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings or Settings.from_env()
     log.info("settings: %s", settings.redacted())
+    template = ChatTemplate.load(settings.chat_template)  # a bad file stops the server before the model loads
     engine = simulated_engine(settings) if settings.engine == "sim" else Engine.from_settings(settings)
     manager = BatchingManager(engine, settings)
     manager.start()
 
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.extensions["server"] = srv = Server(settings, engine, manager, load_tokenizer())
-    app.register_blueprint(simple.routes)
-    app.register_blueprint(openai.routes)
+    app.extensions["server"] = srv = Server(settings, engine, manager, load_tokenizer(), template)
+    for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes):
+        app.register_blueprint(blueprint)
 
     @app.errorhandler(ApiError)
     def api_error(err: ApiError):

@@ -36,6 +36,7 @@ class Settings:
     api_key: str = ""  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
     shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
+    chat_template: str = ""  # /v1/chat/completions: a template file (api/chat_template.toml's shape); empty: that one
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -1,88 +1,78 @@
-"""OpenAI-compatible completions: POST /v1/completions (streaming too) and GET /v1/models."""
+"""OpenAI-compatible completions: POST /v1/completions (streaming too) and GET /v1/models.
 
-import json
-import queue
+Beyond one prompt in, one completion out: `n` completions of each prompt, a list of prompts,
+`echo` (the prompt before the completion, with its tokens' log-probabilities), and OpenAI's
+`logprobs` with the sampled token among the top entries.
+"""
+
 import time
 import uuid
-from collections.abc import Iterator
 from itertools import accumulate
 from typing import Any, NamedTuple
 
 from flask import Blueprint, Response, jsonify, request
 
-from api.serving import Server, check_fits, server, submit, wait
-from api.validation import ApiError, bad, boolean, integer, json_object, number, optional_seed
-from batching.inference import Inference
-from batching.text_stream import TextStream
-from generate.sequence import SamplingParams
+from api.generation import NewTokens, Request, sse, start, text_token_count, token_text, usage, wait_all
+from api.openai_params import MAX_N, SHARED_FIELDS, SharedFields, check_min_tokens, parse_shared
+from api.serving import Server, check_fits, server
+from api.validation import bad, boolean, integer, json_object, known_fields
+from batching.inference import Delta, Inference
+from generate.sequence import SamplingParams, TokenLogprobs
 
 routes = Blueprint("openai", __name__)
-MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 5  # as OpenAI's completions
+MAX_PROMPTS = 64  # prompts in one request
+FIELDS = SHARED_FIELDS | {"prompt", "max_tokens", "echo", "logprobs", "best_of"}
 
 
 class CompletionRequest(NamedTuple):
-    prompt_ids: list[int]
+    prompts: list[list[int]]
+    prompt_texts: list[str]  # what echo returns
     params: SamplingParams
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool  # streaming: a last event with the token counts, as OpenAI's stream_options has it
+    shared: SharedFields
+    echo: bool
 
 
 def parse_completion(body: Any, srv: Server) -> CompletionRequest:
     body = json_object(body)
-    model = body.get("model")
-    if model is not None and model != srv.engine.model_name:
-        raise bad(f"'model' must be {srv.engine.model_name!r} (the served model) or omitted, got {model!r}", "model")
-    if body.get("n", 1) != 1:
-        raise bad(f"'n' must be 1: one completion per request, got {body.get('n')!r}", "n")
-    logprobs = None if body.get("logprobs") is None else integer(body, "logprobs", None, 0, MAX_LOGPROBS)
-    stream = boolean(body, "stream", False)
-    if stream and logprobs is not None:
-        raise bad("'logprobs' is available without streaming only", "logprobs")
-    return CompletionRequest(
-        prompt_ids=_prompt_ids(body.get("prompt"), srv),
-        params=SamplingParams(
-            max_tokens=integer(body, "max_tokens", 16, 1, srv.engine.max_context),
-            temperature=number(body, "temperature", 1.0, 0.0, 2.0),
-            top_k=integer(body, "top_k", 0, 0, 50257),
-            top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
-            seed=optional_seed(body),
-            stop_at_eos=not boolean(body, "ignore_eos", False),
-            logprobs=logprobs,
-        ),
-        stop=_stop_strings(body.get("stop")),
-        stream=stream,
-        include_usage=_include_usage(body.get("stream_options"), stream),
+    known_fields(body, FIELDS, "/v1/completions")
+    shared = parse_shared(body, srv)
+    if integer(body, "best_of", shared.n, 1, MAX_N) != shared.n:
+        raise bad("'best_of' is not supported: only 'best_of' equal to 'n' (every candidate returned)", "best_of")
+    echo = boolean(body, "echo", False)
+    if body.get("max_tokens") == 0 and not echo:
+        raise bad("'max_tokens' may be 0 only with 'echo': true (the prompt's log-probabilities)", "max_tokens")
+    max_tokens = integer(body, "max_tokens", 16, 0, srv.engine.max_context)
+    check_min_tokens(shared.min_tokens, max_tokens)
+    logprobs = integer(body, "logprobs", None, 0, MAX_LOGPROBS) if "logprobs" in body else None
+    prompts, texts = _prompts(body.get("prompt"), srv)
+    for i, ids in enumerate(prompts):
+        check_fits(srv, len(ids), max_tokens, "max_tokens", f"prompt {i}: " if len(prompts) > 1 else "")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=shared.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,
+        **shared.sampling,
     )
+    return CompletionRequest(prompts, texts, params, shared, echo)
 
 
-def _prompt_ids(prompt: Any, srv: Server) -> list[int]:
-    if isinstance(prompt, str) and prompt:
-        return srv.tokenizer.encode(prompt, disallowed_special=())
+def _prompts(prompt: Any, srv: Server) -> tuple[list[list[int]], list[str]]:
+    """A string, a list of token ids, or a list of either: the prompts' ids, and their text."""
     vocab = srv.tokenizer.n_vocab
-    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < vocab for t in prompt):
-        return prompt
-    raise bad(f"'prompt' must be a non-empty string or a list of token ids below {vocab}", "prompt")
-
-
-def _stop_strings(stop: Any) -> tuple[str, ...]:
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
-        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
-    return tuple(stops)
-
-
-def _include_usage(options: Any, stream: bool) -> bool:
-    if options is None:
-        return False
-    if not stream:
-        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
-    if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
-        raise bad("'stream_options' must be an object with at most the key 'include_usage'", "stream_options")
-    if not isinstance(options.get("include_usage", False), bool):
-        raise bad("'stream_options.include_usage' must be true or false", "stream_options")
-    return options.get("include_usage", False)
+    is_ids = lambda p: isinstance(p, list) and p and all(type(t) is int and 0 <= t < vocab for t in p)
+    many = isinstance(prompt, list) and prompt and not is_ids(prompt)
+    items = prompt if many else [prompt]
+    if len(items) > MAX_PROMPTS or not all((isinstance(p, str) and p) or is_ids(p) for p in items):
+        raise bad(
+            f"'prompt' must be a non-empty string or list of token ids below {vocab}, or a list of at most "
+            f"{MAX_PROMPTS} of them",
+            "prompt",
+        )
+    ids = [srv.tokenizer.encode(p, disallowed_special=()) if isinstance(p, str) else p for p in items]
+    texts = [p if isinstance(p, str) else srv.tokenizer.decode(p) for p in items]
+    return ids, texts
 
 
 @routes.get("/v1/models")
@@ -94,80 +84,86 @@ def models():
 @routes.post("/v1/completions")
 def completions():
     srv = server()
-    req = parse_completion(request.get_json(silent=True), srv)
-    check_fits(srv, len(req.prompt_ids), req.params.max_tokens, "max_tokens")
-    inf = Inference(
-        req.prompt_ids,
-        req.params,
-        text=TextStream(srv.tokenizer, req.stop),
-        chunks=queue.SimpleQueue() if req.stream else None,
-    )
-    submit(srv, inf)
+    creq = parse_completion(request.get_json(silent=True), srv)
+    req = start(srv, creq.prompts, creq.params, creq.shared.n, creq.shared.stop, creq.shared.stream)
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": srv.engine.model_name,
     }
-    if req.stream:
-        events = _events(srv, inf, head, req.include_usage)
+    if creq.shared.stream:
+        render = _StreamedChoices(srv, creq, req).render
+        events = sse(srv, req, head, render, creq.shared.include_usage)
         return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
-    wait(srv, inf)
-    return jsonify(**head, choices=[_choice(inf.text.text, inf.finish_reason, _logprobs(srv, inf))], usage=_usage(inf))
+    wait_all(srv, req)
+    choices = [_choice(srv, creq, req, inf) for inf in req.completions]
+    return jsonify(**head, choices=choices, usage=usage(req))
 
 
-def _usage(inf: Inference) -> dict:
-    n_prompt, n_done = len(inf.prompt_ids), len(inf.generated_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_done, "total_tokens": n_prompt + n_done}
+def _choice(srv: Server, creq: CompletionRequest, req: Request, inf: Inference) -> dict:
+    prompt = req.prompt_of(inf)
+    echo = creq.prompt_texts[prompt] if creq.echo else ""
+    logprobs = None
+    if creq.params.logprobs is not None:
+        rows = _prompt_rows(req.prompts[prompt], inf) if creq.echo else []
+        logprobs = _logprobs(srv, rows + _generated_rows(inf, 0, text_token_count(inf)), creq.params.logprobs)
+    return {"index": inf.index, "text": echo + inf.text.text, "logprobs": logprobs, "finish_reason": inf.finish_reason}
 
 
-def _choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+class _StreamedChoices:
+    """Renders each delta of a streamed request: the echo with a completion's first delta, and the
+    log-probabilities of the tokens generated since its last one."""
+
+    def __init__(self, srv: Server, creq: CompletionRequest, req: Request):
+        self.srv, self.creq, self.req = srv, creq, req
+        self.new_tokens = NewTokens(req)
+        self.chars_sent = [0] * len(req.completions)
+        self.started = [False] * len(req.completions)
+
+    def render(self, delta: Delta) -> dict:
+        i = delta.index
+        inf, start, end = self.new_tokens.take(delta)
+        prompt = self.req.prompt_of(inf)
+        echoing = self.creq.echo and not self.started[i]  # with the completion's first delta
+        self.started[i] = True
+        echo = self.creq.prompt_texts[prompt] if echoing else ""
+        logprobs = None
+        if self.creq.params.logprobs is not None:
+            rows = _prompt_rows(self.req.prompts[prompt], inf) if echoing else []
+            logprobs = _logprobs(
+                self.srv, rows + _generated_rows(inf, start, end), self.creq.params.logprobs, self.chars_sent[i]
+            )
+            self.chars_sent[i] += sum(len(t) for t in logprobs["tokens"])
+        return {"index": i, "text": echo + delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
-def _logprobs(srv: Server, inf: Inference) -> dict | None:
-    """The OpenAI completions `logprobs` object, for the tokens that made the text."""
-    top_n = inf.params.logprobs
-    if top_n is None:
-        return None
-    ids, entries = inf.generated_ids, inf.seq.logprobs
-    if inf.seq.finish_reason == "stop":  # the end-of-text token is no text
-        ids, entries = ids[:-1], entries[:-1]
-    piece = lambda t: srv.tokenizer.decode_single_token_bytes(t).decode("utf-8", errors="replace")
-    tokens = [piece(t) for t in ids]
-    offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+Row = tuple[int, TokenLogprobs | None]  # a token, and its log-probabilities (None: the prompt's first token)
+
+
+def _prompt_rows(prompt: list[int], inf: Inference) -> list[Row]:
+    return [(prompt[0], None), *zip(prompt[1:], inf.seq.prompt_logprobs)]
+
+
+def _generated_rows(inf: Inference, start: int, end: int) -> list[Row]:
+    return list(zip(inf.generated_ids[start:end], inf.seq.logprobs[start:end]))
+
+
+def _logprobs(srv: Server, rows: list[Row], top_n: int, offset: int = 0) -> dict:
+    """OpenAI's completions `logprobs`: each token, its log-probability, the top_n most likely tokens
+    plus the token itself when it is not among them, and where the token starts in the text."""
+    tokens = [token_text(srv, t) for t, _ in rows]
+    top = [None if e is None else _top(srv, t, e, top_n) for t, e in rows]
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries] if top_n else None,
-        "text_offset": offsets,
+        "token_logprobs": [None if e is None else e.logprob for _, e in rows],
+        "top_logprobs": top,
+        "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
     }
 
 
-def _events(srv: Server, inf: Inference, head: dict, include_usage: bool) -> Iterator[str]:
-    """Server-sent events; a client that hangs up closes this generator, which cancels the request."""
-    deadline = time.monotonic() + srv.settings.request_timeout_s
-    try:
-        while True:
-            try:
-                piece = inf.chunks.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise ApiError(504, f"no answer within {srv.settings.request_timeout_s} s", "timeout") from None
-            if piece is None:
-                break
-            yield _event({**head, "choices": [_choice(piece, None)]})
-        if inf.error:
-            raise ApiError(500, inf.error, "server_error")
-        yield _event({**head, "choices": [_choice("", inf.finish_reason)]})
-        if include_usage:
-            yield _event({**head, "choices": [], "usage": _usage(inf)})
-    except ApiError as err:
-        yield _event(err.body())
-    finally:
-        if not inf.done.is_set():
-            srv.manager.cancel(inf)
-    yield "data: [DONE]\n\n"
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+def _top(srv: Server, token: int, entry: TokenLogprobs, top_n: int) -> dict[str, float]:
+    top = {token_text(srv, t): lp for t, lp in entry.top[:top_n]}
+    if all(t != token for t, _ in entry.top[:top_n]):
+        top[token_text(srv, token)] = entry.logprob
+    return top

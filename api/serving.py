@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import tiktoken
 from flask import current_app
 
+from api.chat_template import ChatTemplate
 from api.validation import ApiError
 from batching.inference import Inference
 from batching.manager import BatchingManager, NotServing, QueueFull
@@ -18,21 +19,23 @@ class Server:
     engine: Engine
     manager: BatchingManager
     tokenizer: tiktoken.Encoding
+    chat_template: ChatTemplate
 
 
 def server() -> Server:
     return current_app.extensions["server"]
 
 
-def check_fits(srv: Server, num_prompt_tokens: int, max_tokens: int, param: str) -> None:
+def check_fits(srv: Server, num_prompt_tokens: int, max_tokens: int, param: str, where: str = "") -> None:
     problem = srv.engine.check_fits(num_prompt_tokens, max_tokens)
     if problem:
-        raise ApiError(400, problem, param=param)
+        raise ApiError(400, where + problem, param=param)
 
 
-def submit(srv: Server, inf: Inference) -> Inference:
+def submit(srv: Server, *infs: Inference) -> Inference:
+    """Queue one request's inferences (they enter the engine together); the first of them."""
     try:
-        return srv.manager.enqueue(inf)
+        return srv.manager.enqueue(*infs)[0]
     except QueueFull as err:
         raise ApiError(503, str(err), "overloaded", headers={"Retry-After": "1"}) from None
     except NotServing as err:

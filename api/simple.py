@@ -5,15 +5,19 @@ from typing import Any
 from flask import Blueprint, jsonify, request
 
 from api.serving import check_fits, server, submit, wait
-from api.validation import bad, boolean, integer, json_object, number, optional_seed
+from api.validation import bad, boolean, integer, json_object, known_fields, number, optional_seed
 from batching.inference import Inference
 from generate.sequence import SamplingParams
 
 routes = Blueprint("inference", __name__)
 
 
+FIELDS = ("prompt", "num_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos")
+
+
 def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams]:
     body = json_object(body)
+    known_fields(body, FIELDS, "/inference")
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise bad(f"'prompt' must be a non-empty string, got {prompt!r}", "prompt")

@@ -1,6 +1,7 @@
 """Request validation shared by the endpoints: every problem is a 4xx naming its field."""
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 
@@ -27,9 +28,17 @@ def bad(message: str, param: str | None = None) -> ApiError:
 
 
 def json_object(body: Any) -> dict:
+    """The body's fields; a null field counts as absent, as OpenAI's clients send it for "not given"."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    return body
+    return {name: value for name, value in body.items() if value is not None}
+
+
+def known_fields(body: dict, allowed: Collection[str], where: str) -> None:
+    """Refuse a field this endpoint does not know: a request is never answered as if it had not asked."""
+    for name in body:
+        if name not in allowed:
+            raise bad(f"unknown or unsupported field '{name}' for {where}", name)
 
 
 def integer(body: dict, name: str, default: Any, low: int, high: int) -> int:

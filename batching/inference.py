@@ -1,12 +1,25 @@
-"""One request's life in the server, from arrival to its answer."""
+"""One request's life in the server, from arrival to its answer: one Inference per completion it asks for."""
 
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from typing import NamedTuple, Union
 
 from batching.text_stream import TextStream
 from generate.sequence import SamplingParams, Sequence
+
+
+class Delta(NamedTuple):
+    """What a streaming completion has produced since its last delta."""
+
+    index: int  # which completion of its request
+    text: str  # text released since the last delta
+    num_tokens: int  # tokens generated so far (their logprobs are on the sequence)
+    finish_reason: str | None  # set on the completion's last delta, which always comes
+
+
+Chunk = Union[Delta, "Inference"]  # a streamed delta, or the inference itself once it has been answered
 
 
 @dataclass(eq=False)
@@ -14,7 +27,10 @@ class Inference:
     prompt_ids: list[int]
     params: SamplingParams
     text: TextStream | None = None  # when the caller wants text (and stop strings) as tokens arrive
-    chunks: "queue.SimpleQueue[str | None] | None" = None  # streaming: text pieces, then None
+    # Streaming: deltas, then this inference once answered; the completions of a request share one queue.
+    chunks: "queue.SimpleQueue[Chunk] | None" = None
+    index: int = 0  # which completion of its request
+    fork_of: InitVar["Inference | None"] = None  # a completion of the same prompt added just before this one
     seq: Sequence = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)  # set exactly once
     arrival: float = field(default_factory=time.monotonic)
@@ -22,8 +38,9 @@ class Inference:
     finished_at: float | None = None
     error: str | None = None
 
-    def __post_init__(self) -> None:
-        self.seq = Sequence(list(self.prompt_ids), self.params)
+    def __post_init__(self, fork_of: "Inference | None") -> None:
+        leader = fork_of.seq if fork_of is not None else None
+        self.seq = Sequence(list(self.prompt_ids), self.params, stop=self.text, fork_of=leader)
 
     @property
     def generated_ids(self) -> list[int]:
@@ -31,7 +48,7 @@ class Inference:
 
     @property
     def finish_reason(self) -> str | None:
-        return "stop" if self.text is not None and self.text.stopped else self.seq.finish_reason
+        return self.seq.finish_reason
 
     @property
     def ttft_s(self) -> float | None:
@@ -47,4 +64,4 @@ class Inference:
         self.finished_at = time.monotonic()
         self.done.set()
         if self.chunks is not None:
-            self.chunks.put(None)
+            self.chunks.put(self)

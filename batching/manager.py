@@ -7,18 +7,22 @@ engine, so a comparison between them measures scheduling alone:
            STATIC_BATCH_WAIT_S for more) and run them until every one is done;
   dynamic  every step, everything waiting is handed to the engine's scheduler, which
            admits it as soon as there is room (iteration-level batching).
+A request that asks for several completions (n, or a list of prompts) moves as one: its
+inferences enter the engine together, leader first, so forks can share its prompt.
 """
 
 import logging
 import threading
 import time
 from collections import deque
+from itertools import accumulate
 
-from batching.inference import Inference
+from batching.inference import Delta, Inference
 from batching.metrics import ServerMetrics
 from batching.stats import Stats
 from config import Settings
 from generate.engine import Engine, StepResult
+from generate.sequence import Status
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,8 @@ class BatchingManager:
         self._stop_at: float | None = None  # set by shut_down()
         self.cache_problem: str | None = None  # from the last idle-time integrity check
         self._cond = threading.Condition()
-        self._incoming: deque[Inference] = deque()  # guarded by _cond
+        self._incoming: deque[tuple[Inference, ...]] = deque()  # requests; guarded by _cond
+        self._num_incoming = 0  # inferences in _incoming, read without the lock
         self._cancelled: list[Inference] = []  # guarded by _cond
         self._active: dict[int, Inference] = {}  # seq id -> inference; loop thread only
         self._thread = threading.Thread(target=self._run, name=f"batching-{self.mode}", daemon=True)
@@ -59,24 +64,26 @@ class BatchingManager:
             self._stop_at = time.monotonic() + grace_s
             self._cond.notify()
 
-    def enqueue(self, inf: Inference) -> Inference:
+    def enqueue(self, *infs: Inference) -> tuple[Inference, ...]:
+        """Queue one request's inferences, which enter the engine together and in this order."""
         with self._cond:
             if not self.ready:  # checked under the lock that _fail_everything takes
                 raise NotServing(self.failure or ("shutting down" if self._stop_at else "the loop is not running"))
             if self.num_waiting() >= self.settings.max_waiting:
                 raise QueueFull(f"{self.settings.max_waiting} requests are already waiting")
-            self._incoming.append(inf)
+            self._incoming.append(infs)
+            self._num_incoming += len(infs)
             self._cond.notify()
-        return inf
+        return infs
 
-    def cancel(self, inf: Inference) -> None:
-        """Stop an inference (its client left or timed out); the loop frees its blocks."""
+    def cancel(self, *infs: Inference) -> None:
+        """Stop inferences (their client left or timed out); the loop frees their blocks."""
         with self._cond:
-            self._cancelled.append(inf)
+            self._cancelled += infs
             self._cond.notify()
 
     def num_waiting(self) -> int:
-        return len(self._incoming) + len(self.engine.scheduler.waiting)
+        return self._num_incoming + len(self.engine.scheduler.waiting)
 
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
@@ -118,9 +125,13 @@ class BatchingManager:
             else:
                 count = self._gather_static_batch()
             for _ in range(count):
-                inf = self._incoming.popleft()
-                self._active[inf.seq.seq_id] = inf
-                engine.add(inf.seq)
+                self._start(self._incoming.popleft())
+
+    def _start(self, request: tuple[Inference, ...]) -> None:
+        self._num_incoming -= len(request)
+        for inf in request:
+            self._active[inf.seq.seq_id] = inf
+            self.engine.add(inf.seq)
 
     def _check_cache(self) -> None:
         """Verify the KV cache whenever the server goes idle; /stats reports the outcome."""
@@ -132,23 +143,30 @@ class BatchingManager:
             log.error("KV cache integrity: %s", self.cache_problem)
 
     def _gather_static_batch(self) -> int:
-        deadline = self._incoming[0].arrival + self.settings.static_batch_wait_s
-        while len(self._incoming) < self.settings.max_batch_size and time.monotonic() < deadline:
+        """Requests for one static batch: up to MAX_BATCH_SIZE inferences (at least one request)."""
+        limit = self.settings.max_batch_size
+        deadline = self._incoming[0][0].arrival + self.settings.static_batch_wait_s
+        while self._num_incoming < limit and time.monotonic() < deadline:
             self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             self._apply_cancellations()
             if not self._incoming:
                 return 0
-        return min(len(self._incoming), self.settings.max_batch_size)
+        sizes = accumulate(len(request) for request in self._incoming)
+        return max(1, sum(1 for size in sizes if size <= limit))
 
     def _apply_cancellations(self) -> None:
         for inf in self._cancelled:
             if inf.done.is_set():
-                continue  # finished before the cancellation arrived
-            if inf in self._incoming:
-                self._incoming.remove(inf)
-            else:
-                self.engine.abort(inf.seq)
-                self._active.pop(inf.seq.seq_id, None)
+                continue  # finished (or its whole request cancelled) before the cancellation arrived
+            request = next((r for r in self._incoming if inf in r), None)
+            if request is not None:  # not started: the whole request leaves the queue
+                self._incoming.remove(request)
+                self._num_incoming -= len(request)
+                for queued in request:
+                    self._answer(queued, error="cancelled")
+                continue
+            self.engine.abort(inf.seq)
+            self._active.pop(inf.seq.seq_id, None)
             self._answer(inf, error="cancelled")
         self._cancelled.clear()
 
@@ -161,29 +179,31 @@ class BatchingManager:
         self.engine.step_log.last.add_stage("deliver", time.perf_counter() - started)
 
     def _deliver(self, results: list[StepResult]) -> None:
+        """Hand each step's news to the request threads. Sequences end in the engine (Sequence.append
+        decides, stop strings included); here they are only answered."""
         now = time.monotonic()
         for seq, token in results:
-            if token is None:  # a prompt chunk short of the prompt's end: nothing to deliver yet
+            finished = seq.status is Status.FINISHED
+            if token is None and not finished:  # a prompt chunk short of the prompt's end
                 continue
             inf = self._active[seq.seq_id]
             if inf.first_token_at is None:
-                inf.first_token_at = now
-            if inf.text is not None:
-                self._emit_text(inf, token)
-            if seq.finish_reason or inf.finish_reason:
-                if not seq.finish_reason:  # ended by a stop string: the engine would go on
-                    self.engine.abort(seq)
+                inf.first_token_at = now  # for a prompt-only inference: its prompt's log-probabilities
+            self._emit(inf, finished)
+            if finished:
                 del self._active[seq.seq_id]
                 self._answer(inf)
 
     @staticmethod
-    def _emit_text(inf: Inference, token: int) -> None:
-        seq = inf.seq
-        piece = "" if seq.finish_reason == "stop" else inf.text.push(token)  # the end-of-text token is no text
-        if seq.finish_reason:
-            piece += inf.text.finish()
-        if piece and inf.chunks is not None:
-            inf.chunks.put(piece)
+    def _emit(inf: Inference, finished: bool) -> None:
+        """The text released by the step, to a streaming client; a completion's last delta always goes."""
+        if inf.text is None:
+            return
+        if finished:
+            inf.text.finish()
+        piece = inf.text.take()
+        if inf.chunks is not None and (piece or finished):
+            inf.chunks.put(Delta(inf.index, piece, inf.seq.num_generated, inf.finish_reason if finished else None))
 
     def _answer(self, inf: Inference, error: str | None = None) -> None:
         inf.finish(error)
@@ -193,8 +213,9 @@ class BatchingManager:
     def _fail_everything(self, reason: str) -> None:
         with self._cond:
             self.failure = reason
-            pending = list(self._incoming) + list(self._active.values())
+            pending = [inf for request in self._incoming for inf in request] + list(self._active.values())
             self._incoming.clear()
+            self._num_incoming = 0
             self._active.clear()
         for inf in pending:
             if not inf.done.is_set():

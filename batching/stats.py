@@ -54,7 +54,8 @@ class Stats:
             self.prompt_tokens += len(inf.prompt_ids)
             self._ttft.append(inf.ttft_s)
             self._latency.append(inf.latency_s)
-            self._latency_per_token.append(inf.latency_s / n)
+            if n:  # an echo of the prompt alone (max_tokens 0) generates nothing
+                self._latency_per_token.append(inf.latency_s / n)
             if n > 1:  # time per output token after the first, as serving benchmarks define it
                 self._tpot.append((inf.latency_s - inf.ttft_s) / (n - 1))
 

@@ -75,6 +75,11 @@ class Engine:
         runner = ModelRunner(loaded.model, num_blocks, settings.block_size)
         return cls(runner, num_blocks, settings, loaded.name, loaded.is_random)
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest a sequence (prompt + generated tokens) can be: the context, or the whole KV cache."""
+        return min(self.max_context, self.blocks.num_blocks * self.blocks.block_size)
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request can never run here, or None if it can."""
         total = num_prompt_tokens + max_tokens
