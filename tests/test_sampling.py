@@ -5,8 +5,10 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from generate.sampling import SamplingRow, SamplingTensors, sample
+from generate.sampler import Sampler
+from generate.sampling import SamplingRow, SamplingTensors, adjust_logits, sample
 from generate.sequence import SamplingParams, Sequence
 
 CPU = torch.device("cpu")
@@ -226,3 +228,131 @@ def test_same_seed_same_stream_different_seed_different_stream() -> None:
     assert stream(7) != stream(8)
     reference = random.Random(7)
     assert stream(7) == [reference.random() for _ in range(8)]
+
+
+# --- logit bias and penalties ------------------------------------------------------------
+
+FIVE = [2.0, -1.0, 0.5, 3.0, -2.0]  # logits of a five-token vocabulary
+
+
+def adjusted(rows: list[SamplingRow], logits: list[list[float]]) -> list[float]:
+    """The rows' logits after bias and penalties, flattened."""
+    return adjust_logits(torch.tensor(logits), SamplingTensors.build(rows, len(logits[0]), CPU)).flatten().tolist()
+
+
+def test_penalties_equal_the_hand_computed_formula() -> None:
+    # Generated so far: 3, 3, 1; prompt: 0. Repetition 2 divides positive and multiplies negative
+    # logits of every token seen in prompt or output; then frequency 0.25 per occurrence and presence
+    # 0.5 once, over the output only.
+    row = SamplingRow(
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, output_ids=(3, 3, 1), prompt_ids=(0,)
+    )
+    expected = [
+        2.0 / 2,  # in the prompt only
+        -1.0 * 2 - 0.25 * 1 - 0.5,  # generated once
+        0.5,  # never seen
+        3.0 / 2 - 0.25 * 2 - 0.5,  # generated twice
+        -2.0,
+    ]
+    assert adjusted([row], [FIVE]) == pytest.approx(expected)
+
+
+def test_presence_and_frequency_count_only_generated_tokens() -> None:
+    row = SamplingRow(presence_penalty=1.0, frequency_penalty=1.0, output_ids=(2,), prompt_ids=(0, 1, 3))
+    assert adjusted([row], [FIVE]) == pytest.approx([2.0, -1.0, 0.5 - 2, 3.0, -2.0])
+
+
+def test_logit_bias_adds_to_the_named_tokens_of_its_row_only() -> None:
+    rows = [SamplingRow(logit_bias=((1, 5.0), (3, -100.0))), SamplingRow(), SamplingRow(logit_bias=((0, 0.5),))]
+    expected = [2.0, 4.0, 0.5, -97.0, -2.0, *FIVE, 2.5, -1.0, 0.5, 3.0, -2.0]
+    assert adjusted(rows, [FIVE] * 3) == pytest.approx(expected)
+
+
+def test_bias_of_100_forces_a_token_and_minus_100_bans_one() -> None:
+    logits = torch.randn(200, 50, generator=torch.Generator().manual_seed(3)) * 5
+    for temperature in (0.0, 1.0, 2.0):
+        forced = [SamplingRow(temperature, uniform=float(u), logit_bias=((7, 100.0),)) for u in uniforms(200, seed=1)]
+        assert set(sample_rows(logits, forced).tolist()) == {7}
+        best = logits.argmax(dim=1).tolist()
+        banned = [
+            SamplingRow(temperature, uniform=float(u), logit_bias=((b, -100.0),)) for u, b in zip(uniforms(200), best)
+        ]
+        assert all(t != b for t, b in zip(sample_rows(logits, banned).tolist(), best))
+
+
+def test_one_rows_penalties_and_bias_never_change_another_rows_token() -> None:
+    n = 300
+    logits = torch.randn(n, 8, generator=torch.Generator().manual_seed(8)) * 2
+    plain = [SamplingRow(t, k, p, float(u)) for (t, k, p), u in zip(TARGETS * n, uniforms(n, seed=4))][:n]
+    alone = sample_rows(logits, plain)
+    # Every other row now has penalties, a bias and a history of its own; the plain rows' tokens stay.
+    noisy = [
+        row._replace(
+            presence_penalty=1.5,
+            frequency_penalty=-1.0,
+            repetition_penalty=1.7,
+            logit_bias=((i % 8, 30.0),),
+            output_ids=(1, 1, 2),
+            prompt_ids=(5,),
+        )
+        if i % 2
+        else row
+        for i, row in enumerate(plain)
+    ]
+    mixed = sample_rows(logits, noisy)
+    assert mixed[0::2].tolist() == alone[0::2].tolist()
+    assert mixed[1::2].tolist() != alone[1::2].tolist()  # the penalised rows did change
+    # And each penalised row is what it would be alone.
+    for i in range(1, 20, 2):
+        assert mixed[i] == sample_rows(logits[i : i + 1], [noisy[i]])[0]
+
+
+def test_settings_decide_the_stages_on_the_host() -> None:
+    plain = SamplingTensors.build([SamplingRow(temperature=0.0)] * 3, 10, CPU)
+    assert plain.all_greedy and plain.k_max == 0
+    assert plain.nucleus_rows is None and plain.bias is None and plain.penalties is None
+    rows = [SamplingRow(top_k=4), SamplingRow(top_p=0.5, logit_bias=((2, 1.0),)), SamplingRow(presence_penalty=1.0)]
+    some = SamplingTensors.build(rows, 10, CPU)
+    assert not some.all_greedy and some.k_max == 4 and some.nucleus_rows.tolist() == [1]
+    assert some.bias is not None and some.penalties is not None
+
+
+class _SyncRecorder(TorchDispatchMode):
+    """Records the ops that read a tensor's value back to the host (a GPU sync) or need its size."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "item", "is_nonzero")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(name in str(func) for name in self.SYNCING):
+            self.syncs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_reads_nothing_back_from_the_device_with_every_stage_on() -> None:
+    rows = [
+        SamplingRow(0.0),
+        SamplingRow(0.8, top_k=3, uniform=0.3),
+        SamplingRow(1.2, top_p=0.7, uniform=0.9, logit_bias=((1, 2.0),)),
+        SamplingRow(1.0, uniform=0.5, presence_penalty=0.5, repetition_penalty=1.3, output_ids=(1, 2), prompt_ids=(3,)),
+    ]
+    settings = SamplingTensors.build(rows, 8, CPU)
+    with _SyncRecorder() as recorder:
+        sample(torch.tensor([LOGITS_8] * 4), settings)
+    assert recorder.syncs == []
+
+
+def test_a_steps_sampler_reads_back_only_the_tokens_when_no_logprobs_are_asked() -> None:
+    seqs = [
+        Sequence([1, 2, 3], SamplingParams(temperature=0)),
+        Sequence([4, 5], SamplingParams(temperature=0.9, top_k=3, top_p=0.8, seed=1)),
+        Sequence([6], SamplingParams(temperature=1.0, presence_penalty=1.0, logit_bias=((2, 3.0),), seed=2)),
+    ]
+    for seq in seqs:
+        seq.num_scheduled_tokens = len(seq.token_ids)  # each samples its next token
+    with _SyncRecorder() as recorder:
+        tokens = Sampler(CPU)(seqs, torch.tensor([LOGITS_8] * 3))
+    assert recorder.syncs == [] and tokens[0] == 1 and all(0 <= t < 8 for t in tokens)

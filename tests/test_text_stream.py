@@ -52,3 +52,20 @@ def test_text_that_may_start_a_stop_string_is_held_back():
     released = "".join(s.push(t) for t in TOKENIZER.encode("answer </"))
     assert released == "answer "  # "</" could still become "</end>"
     assert "".join(s.push(t) for t in TOKENIZER.encode("end>")) == "" and s.stopped
+
+
+def test_take_hands_out_each_released_piece_once():
+    s = TextStream(TOKENIZER)
+    for t in TOKENIZER.encode("one two"):
+        s.push(t)
+    assert s.take() == "one two" and s.take() == ""
+    s.push(TOKENIZER.encode(" three")[0])
+    assert s.take() == " three"
+
+
+def test_stop_strings_are_not_looked_for_while_stopping_is_not_allowed():
+    s = TextStream(TOKENIZER, ("STOP",))
+    ids = TOKENIZER.encode("a STOP b STOP c")  # a, " STOP", " b", " STOP", " c"
+    stopped = [s.stops_at(t, may_stop=i >= 2) for i, t in enumerate(ids)]  # min_tokens 2
+    assert stopped.index(True) == 3  # the second STOP, not the first
+    assert s.text == "a STOP b "
