@@ -22,7 +22,7 @@ class Sampler:
         prompt_rows, sample_rows = _layout(seqs)
         if prompt_rows:
             self._record_prompt_logprobs(seqs, logits, prompt_rows)
-            logits = logits[torch.tensor(sample_rows, device=self.device)]
+            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         sampling = [s for s in seqs if s.samples_this_step]
         if not sampling:
             return [None] * len(seqs)
@@ -46,7 +46,7 @@ class Sampler:
         wanting = [s for s in seqs if s.prompt_logprob_positions()]
         targets = [s.token_ids[p + 1] for s in wanting for p in s.prompt_logprob_positions()]
         n = max(s.params.prompt_logprobs for s in wanting)
-        row_index = torch.tensor(rows, device=self.device)
+        row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
         chosen, top_ids, top_values = top_logprobs(logits[row_index], torch.tensor(targets, device=self.device), n)
         entries = iter(_entries(chosen, top_ids, top_values))
         for seq in wanting:
