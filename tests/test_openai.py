@@ -3,6 +3,7 @@
 import contextlib
 import json
 import time
+from collections import Counter
 
 import openai
 import pytest
@@ -204,3 +205,258 @@ def test_api_key_guards_everything_but_health(tiny_checkpoint, tmp_path):
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
         with contextlib.closing(openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)) as good:
             assert good.completions.create(model=good.models.list().data[0].id, prompt="hi", max_tokens=2).choices
+
+
+# --- n, lists of prompts, echo ------------------------------------------------------------
+
+
+def greedy(client, model, **kwargs):
+    return complete(client, model, temperature=0, **kwargs)
+
+
+def test_n_greedy_choices_are_identical_and_equal_transformers(client, model, hf_greedy):
+    result = greedy(client, model, prompt=PROMPT, max_tokens=12, n=3)
+    expected = TOKENIZER.decode(hf_greedy(TOKENIZER.encode(PROMPT), 12))
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [expected] * 3
+    assert result.usage.completion_tokens == 36 and result.usage.prompt_tokens == len(TOKENIZER.encode(PROMPT))
+
+
+def test_n_seeded_choices_are_reproducible_differ_and_start_at_the_seed(client, model):
+    args = dict(prompt=PROMPT, max_tokens=20, temperature=1.0, seed=7)
+    first, again = ([c.text for c in complete(client, model, n=4, **args).choices] for _ in range(2))
+    assert first == again and len(set(first)) == 4
+    # choice j draws from seed + j: choice 1 is what a single request with seed 8 gives
+    assert complete(client, model, n=1, **{**args, "seed": 8}).choices[0].text == first[1]
+
+
+def test_n_streamed_choices_interleave_and_each_ends_with_its_last_text(client, model):
+    args = dict(prompt=PROMPT, max_tokens=15, temperature=0.8, seed=3, n=3)
+    whole = [c.text for c in complete(client, model, **args).choices]
+    chunks = [c for c in complete(client, model, stream=True, **args) if c.choices]
+    indices = [c.choices[0].index for c in chunks]
+    assert indices != sorted(indices)  # the choices run together, so their events interleave
+    for i in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == whole[i]
+        assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
+        assert all(c.text for c in mine)  # the last text travels with finish_reason: no empty closing event
+
+
+@pytest.mark.parametrize("as_tokens", [False, True])
+def test_a_list_of_prompts_gives_n_choices_per_prompt_in_order(client, model, hf_greedy, as_tokens):
+    prompts = ["The lighthouse keeper", "Far away, in the hills", "A"]
+    sent = [TOKENIZER.encode(p) for p in prompts] if as_tokens else prompts
+    result = greedy(client, model, prompt=sent, max_tokens=6, n=2)
+    expected = [TOKENIZER.decode(hf_greedy(TOKENIZER.encode(p), 6)) for p in prompts]
+    assert [c.text for c in result.choices] == [e for e in expected for _ in range(2)]
+    assert [c.index for c in result.choices] == list(range(6))
+    assert result.usage.prompt_tokens == sum(len(TOKENIZER.encode(p)) for p in prompts)
+    assert result.usage.completion_tokens == 36
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_before_the_completion(client, model, stream):
+    args = dict(prompt=PROMPT, max_tokens=8, seed=2, echo=True)
+    plain = complete(client, model, prompt=PROMPT, max_tokens=8, seed=2).choices[0].text
+    if stream:
+        text = "".join(c.choices[0].text for c in complete(client, model, stream=True, **args) if c.choices)
+    else:
+        text = complete(client, model, **args).choices[0].text
+    assert text == PROMPT + plain
+    ids = TOKENIZER.encode(PROMPT)
+    by_ids = complete(client, model, **{**args, "prompt": ids}).choices[0].text
+    assert by_ids == TOKENIZER.decode(ids) + plain
+
+
+LONG_PROMPT = " ".join(["The keeper lit the lamp at dusk and watched the ships pass the rocks."] * 4)
+
+
+def reference_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at every position: row p is the distribution of token p + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_logprobs_equal_transformers_after_the_prompt_was_cached(client, model, hf_model, max_tokens):
+    ids = TOKENIZER.encode(LONG_PROMPT)
+    greedy(client, model, prompt=ids, max_tokens=1)  # caches the prompt's blocks
+    cached = greedy(client, model, prompt=ids, max_tokens=1)
+    assert cached.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16  # the cache is warm
+    result = greedy(client, model, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=2)
+    (choice,) = result.choices
+    lp = choice.logprobs
+    full = ids + [int(reference_logprobs(hf_model, ids)[-1].argmax())][:max_tokens]  # and the greedy token
+    reference = reference_logprobs(hf_model, full)
+    expected = [reference[p, full[p + 1]].item() for p in range(len(full) - 1)]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-3)
+    assert lp.tokens[: len(ids)] == [TOKENIZER.decode_single_token_bytes(t).decode() for t in ids]
+    assert len(lp.tokens) == len(ids) + max_tokens and choice.finish_reason == "length"
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 2 <= len(top) <= 3 and top[token] == pytest.approx(value)  # the top 2 and the token itself
+    assert choice.text.startswith(LONG_PROMPT) and result.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def lm_eval_loglikelihood(choice: dict, context_len: int, max_tokens: int) -> tuple[float, bool]:
+    """lm-evaluation-harness's local-completions parse_logprobs: the continuation's summed log-probability
+    and whether each of its tokens was the likeliest (with max_tokens 1 the generated token is dropped)."""
+    logprobs = choice["logprobs"]
+    end = -1 if max_tokens else None
+    tokens_logprobs = logprobs["token_logprobs"][context_len:end]
+    top_logprobs = logprobs["top_logprobs"][context_len:end]
+    is_greedy = all(lp == max(top.values()) for lp, top in zip(tokens_logprobs, top_logprobs))
+    return sum(tokens_logprobs), is_greedy
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_lm_eval_loglikelihood_from_echo_equals_transformers(url, hf_model, hf_greedy, max_tokens):
+    context = TOKENIZER.encode("Question: what does the lighthouse keeper do at night? Answer:")
+    continuations = [hf_greedy(context, 5), TOKENIZER.encode(" He sleeps soundly."), hf_greedy(context, 1)]
+    body = {
+        "prompt": [context + c for c in continuations],  # the harness sends token ids, several per request
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+        "seed": 1234,
+    }
+    response = requests.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    for choice, continuation in zip(choices, continuations):
+        got, got_greedy = lm_eval_loglikelihood(choice, len(context), max_tokens)
+        reference = reference_logprobs(hf_model, context + continuation)
+        positions = range(len(context) - 1, len(context) + len(continuation) - 1)
+        expected = sum(reference[p, t].item() for p, t in zip(positions, continuation))
+        expected_greedy = all(reference[p].argmax().item() == t for p, t in zip(positions, continuation))
+        assert got == pytest.approx(expected, abs=1e-3) and got_greedy == expected_greedy
+    assert [lm_eval_loglikelihood(c, len(context), max_tokens)[1] for c in choices] == [True, False, True]
+
+
+# --- logprobs ----------------------------------------------------------------------------
+
+
+def test_logprobs_zero_gives_the_sampled_token_alone(client, model):
+    lp = complete(client, model, prompt=PROMPT, max_tokens=10, seed=4, logprobs=0).choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
+    assert [top[t] for top, t in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
+
+
+def test_top_logprobs_add_the_sampled_token_when_it_is_not_among_them(client, model):
+    args = dict(prompt=PROMPT, max_tokens=40, seed=5, logprobs=1, extra_body={"top_k": 2, "ignore_eos": True})
+    lp = client.completions.create(model=model, **args).choices[0].logprobs
+    sizes = {len(top) for top in lp.top_logprobs}
+    assert sizes == {1, 2}  # the likeliest alone when it was drawn, else it and the drawn one
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and max(top.values()) >= value
+
+
+def test_streamed_logprobs_join_to_the_whole_responses(client, model):
+    args = dict(prompt=PROMPT, max_tokens=16, temperature=1.0, seed=6, logprobs=2, echo=True)
+    whole = complete(client, model, **args).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in complete(client, model, stream=True, **args) if c.choices]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for lp in chunks for x in getattr(lp, field)] == getattr(whole, field)
+
+
+# --- logit bias, penalties, min_tokens ---------------------------------------------------
+
+
+def test_logit_bias_forces_and_bans_tokens(client, model):
+    forced = TOKENIZER.encode(" lamp")[0]
+    text = greedy(client, model, prompt=PROMPT, max_tokens=6, logit_bias={str(forced): 100}).choices[0].text
+    assert text == " lamp" * 6
+    plain = TOKENIZER.encode(greedy(client, model, prompt=PROMPT, max_tokens=10).choices[0].text)
+    banned = {str(t): -100 for t in plain}
+    again = TOKENIZER.encode(greedy(client, model, prompt=PROMPT, max_tokens=10, logit_bias=banned).choices[0].text)
+    assert not set(again) & set(plain)
+
+
+def distinct_tokens(client, model, **penalties) -> int:
+    text = greedy(client, model, prompt=PROMPT, max_tokens=40, extra_body={"ignore_eos": True, **penalties}).choices[0]
+    return len(set(TOKENIZER.encode(text.text)))
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+def test_penalties_move_greedy_output_the_expected_way(client, model, name):
+    neutral = distinct_tokens(client, model)
+    assert distinct_tokens(client, model, **{name: -2.0}) < neutral < distinct_tokens(client, model, **{name: 2.0})
+
+
+def test_repetition_penalty_moves_greedy_output_the_expected_way(client, model):
+    neutral = distinct_tokens(client, model)
+    more, less = (distinct_tokens(client, model, repetition_penalty=p) for p in (1.5, 0.5))
+    assert less < neutral < more
+
+
+def test_greedy_with_penalties_equals_transformers_with_them_applied_by_hand(client, model, hf_model):
+    ids = TOKENIZER.encode(PROMPT)
+    presence, frequency, repetition = 0.6, 0.4, 1.3
+    extra = {"ignore_eos": True, "repetition_penalty": repetition}
+    result = client.completions.create(
+        model=model,
+        prompt=ids,
+        max_tokens=20,
+        temperature=0,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        extra_body=extra,
+    )
+    tokens = list(ids)
+    with torch.no_grad():
+        for _ in range(20):
+            logits = hf_model(torch.tensor([tokens])).logits[0, -1].double()
+            seen = torch.tensor(sorted(set(tokens)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition)
+            for token, count in Counter(tokens[len(ids) :]).items():
+                logits[token] -= frequency * count + presence
+            tokens.append(int(logits.argmax()))
+    assert result.choices[0].text == TOKENIZER.decode(tokens[len(ids) :])
+
+
+def test_min_tokens_holds_back_end_of_text(client, model):
+    eot = {"50256": 100}  # end-of-text would come first
+    first = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, logit_bias=eot)
+    assert first.choices[0].finish_reason == "stop" and first.usage.completion_tokens == 1
+    later = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=10, logit_bias=eot, extra_body={"min_tokens": 4}
+    )
+    assert later.choices[0].finish_reason == "stop" and later.usage.completion_tokens == 5
+
+
+def test_cached_tokens_count_the_prompt_found_in_the_prefix_cache(client, model):
+    ids = TOKENIZER.encode(LONG_PROMPT + " Once more, with a tail.")
+    first, second = (greedy(client, model, prompt=ids, max_tokens=1) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens_details.cached_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16
+
+
+# --- tokenize, detokenize ----------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize_round_trip(url):
+    tokens = requests.post(f"{url}/tokenize", json={"prompt": "hello world"}, timeout=10).json()
+    assert tokens == {"tokens": [31373, 995], "count": 2, "max_model_len": 1024}
+    text = requests.post(f"{url}/detokenize", json={"tokens": [31373, 995]}, timeout=10).json()
+    assert text == {"prompt": "hello world"}
+    chat = requests.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    assert TOKENIZER.decode(chat.json()["tokens"]) == "User: hi\nAssistant:"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+        ("/tokenize", {"prompt": "a", "truncate": True}, "truncate"),
+        ("/detokenize", {"tokens": [50257]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"tokens": [1], "model": "gpt-4"}, "model"),
+    ],
+)
+def test_bad_tokenize_requests_name_the_field(url, path, body, param):
+    response = requests.post(f"{url}{path}", json=body, timeout=10)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
