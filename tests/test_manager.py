@@ -84,3 +84,37 @@ def test_request_that_could_never_fit_the_pool_is_refused_at_once(make_app):
     assert refused.status_code == 400 and "whole KV cache (64 tokens)" in refused.get_json()["error"]["message"]
     assert post(app, {"prompt": "a b c d", "num_tokens": 60}).status_code == 200
     assert not manager.engine.has_work()
+
+
+def test_a_stop_string_ends_the_sequence_in_the_engine_without_a_call_back_down(make_app):
+    app, manager = make_app()
+
+    def no_abort(seq):
+        raise AssertionError("a sequence that finished normally was aborted from above")
+
+    manager.engine.abort = no_abort
+    client = app.test_client()
+    body = {"prompt": "The lighthouse", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).get_json()["choices"][0]["text"]
+    stop = full[10:13]
+    cut = client.post("/v1/completions", json={**body, "stop": stop}).get_json()["choices"][0]
+    assert cut["text"] == full[: full.index(stop)] and cut["finish_reason"] == "stop"
+    wait_until(lambda: not manager.engine.has_work())
+    manager.engine.blocks.check_integrity([])
+
+
+@pytest.mark.parametrize("mode", ["nobatch", "static", "dynamic"])
+def test_n_and_lists_of_prompts_in_every_mode(make_app, hf_greedy, mode):
+    app, manager = make_app(mode=mode, max_batch_size=4)
+    tokenizer = app.extensions["server"].tokenizer
+    prompts = ["The keeper", "Ships in the night pass", "A lamp"]
+    body = {"prompt": prompts, "n": 3, "max_tokens": 7, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(3) as pool:  # and other requests at the same time
+        answers = list(pool.map(lambda _: app.test_client().post("/v1/completions", json=body), range(3)))
+    expected = [tokenizer.decode(hf_greedy(tokenizer.encode(p), 7)) for p in prompts for _ in range(3)]
+    for answer in answers:
+        assert answer.status_code == 200, answer.get_json()
+        assert [c["text"] for c in answer.get_json()["choices"]] == expected
+    wait_until(lambda: not manager.engine.has_work())
+    manager.engine.blocks.check_integrity([])
+    assert manager.stats.snapshot()["requests_completed"] == 27

@@ -28,10 +28,27 @@ JSON = st.recursive(
     max_leaves=6,
 )
 SMALL = st.integers(-3, 24) | JSON  # token counts: mostly cheap, sometimes nonsense
+TOKEN_IDS = st.lists(st.integers(-2, 60000), max_size=5)
+PENALTY = st.floats(-3, 3) | st.floats(-150, 150) | JSON
+TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)})
+MESSAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | JSON,
+        "content": st.text(max_size=20)
+        | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), max_size=2)
+        | JSON,
+        "name": st.text(max_size=5),
+    },
+)
 FIELDS = {
-    "prompt": st.text(max_size=40) | st.lists(st.integers(-2, 60000), max_size=5) | JSON,
+    "prompt": st.text(max_size=40) | TOKEN_IDS | st.lists(st.text(max_size=10) | TOKEN_IDS, max_size=3) | JSON,
+    "messages": st.lists(MESSAGE, max_size=3) | JSON,
+    "tokens": TOKEN_IDS | JSON,
     "num_tokens": SMALL,
     "max_tokens": SMALL,
+    "max_completion_tokens": SMALL,
+    "min_tokens": SMALL,
     "temperature": st.floats(-1, 3) | JSON,
     "top_k": st.integers(-2, 60000) | JSON,
     "top_p": st.floats(-0.5, 1.5) | JSON,
@@ -39,24 +56,56 @@ FIELDS = {
     "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=6) | JSON,
     "stop_at_eos": JSON,
     "ignore_eos": JSON,
-    "n": st.integers(0, 3) | JSON,
+    "n": st.integers(0, 4) | JSON,
+    "best_of": st.integers(0, 4) | JSON,
+    "echo": st.booleans() | JSON,
+    "logprobs": st.integers(-1, 6) | st.booleans() | JSON,
+    "top_logprobs": st.integers(-1, 21) | JSON,
+    "logit_bias": st.dictionaries(
+        st.integers(-1, 60000).map(str) | st.text(max_size=3), st.floats(-150, 150) | JSON, max_size=3
+    )
+    | JSON,
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "repetition_penalty": PENALTY,
+    "stream": st.booleans() | JSON,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | JSON}) | JSON,
+    "suffix": st.text(max_size=3),
+    "user": st.text(max_size=5) | JSON,
     "model": st.text(max_size=10) | JSON,
 }
 BODIES = st.fixed_dictionaries({}, optional=FIELDS) | JSON
+ENDPOINTS = ["/inference", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=BODIES, endpoint=st.sampled_from(["/inference", "/v1/completions"]))
-def test_random_json_gets_a_json_4xx_or_a_completion(url, body, endpoint):
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=BODIES, endpoint=st.sampled_from(ENDPOINTS))
+def test_random_json_gets_a_json_4xx_or_an_answer(url, body, endpoint):
     response = requests.post(
         f"{url}{endpoint}", data=json.dumps(body), timeout=60, headers={"Content-Type": "application/json"}
     )
     assert response.status_code < 500, response.text
-    payload = response.json()
-    if response.status_code == 200:
-        assert isinstance(payload.get("completion") if endpoint == "/inference" else payload["choices"][0]["text"], str)
-    else:
+    if response.status_code != 200:
+        payload = response.json()
         assert 400 <= response.status_code < 500 and payload["error"]["message"]
+    elif response.headers["Content-Type"].startswith("text/event-stream"):
+        events = [line for line in response.text.splitlines() if line]
+        assert events[-1] == "data: [DONE]" and all('"error"' not in e for e in events)
+    else:
+        assert_answer_shape(endpoint, response.json())
+
+
+def assert_answer_shape(endpoint: str, payload: dict) -> None:
+    if endpoint == "/inference":
+        assert isinstance(payload["completion"], str)
+    elif endpoint == "/v1/completions":
+        assert all(isinstance(c["text"], str) for c in payload["choices"]) and payload["choices"]
+    elif endpoint == "/v1/chat/completions":
+        assert all(isinstance(c["message"]["content"], str) for c in payload["choices"]) and payload["choices"]
+    elif endpoint == "/tokenize":
+        assert payload["count"] == len(payload["tokens"])
+    else:
+        assert isinstance(payload["prompt"], str)
 
 
 def test_still_serving_after_the_fuzz(url):
