@@ -57,3 +57,28 @@ def hf_greedy(hf_model):
 def random_prompts(lengths: list[int], seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [(prefix or []) + torch.randint(0, 50257, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def url(tiny_checkpoint, tmp_path_factory):
+    """One real server (./server.sh, gunicorn) on the tiny checkpoint, for the API tests that share it;
+    modules that need other settings define a `url` of their own."""
+    from client.launch import running_server
+
+    settings = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "4096"}
+    with running_server("dynamic", tmp_path_factory.mktemp("logs"), **settings) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    """The official openai client on the module's server (its `url` fixture)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    (served,) = client.models.list().data
+    return served.id

@@ -8,7 +8,6 @@ import torch
 
 from api.chat_template import ChatTemplate
 from app import create_app
-from client.launch import running_server
 from config import Settings
 from model.tokenizer import load_tokenizer
 
@@ -22,23 +21,6 @@ MESSAGES = [
 TRANSCRIPT = (
     "You keep a lighthouse.\n\nUser: What did you see tonight?\nAssistant: Ships.\nUser: How many\nships?\nAssistant:"
 )
-
-
-@pytest.fixture(scope="module")
-def url(tiny_checkpoint, tmp_path_factory):
-    settings = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "1024"}
-    with running_server("dynamic", tmp_path_factory.mktemp("logs"), **settings) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def chat(client, model, **kwargs):

@@ -4,7 +4,7 @@ blocks accounted for at every step, under preemption, an aborted leader and tiny
 import pytest
 import torch
 from conftest import random_prompts
-from test_model import make_engine
+from test_model import make_engine, run_checked
 
 from generate.engine import Engine
 from generate.sequence import SamplingParams, Sequence
@@ -16,17 +16,6 @@ def group(prompt: list[int], params: list[SamplingParams]) -> list[Sequence]:
     """A leader and its forks, as the API builds n completions of one prompt."""
     leader = Sequence(list(prompt), params[0])
     return [leader] + [Sequence(list(prompt), p, fork_of=leader) for p in params[1:]]
-
-
-def run(engine: Engine, seqs: list[Sequence]) -> None:
-    """Add and run to the end, checking every block's owners after every step."""
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
-        engine.blocks.check_integrity(list(engine.scheduler.running) + list(engine.scheduler.waiting))
-    engine.blocks.check_integrity([])
-    assert engine.blocks.num_used_blocks == 0
 
 
 def prefill_tokens(engine: Engine) -> int:
@@ -47,7 +36,7 @@ def test_n_greedy_completions_compute_the_prompt_once(
     engine = make_engine(tiny_checkpoint, block_size=BLOCK, prefix_cache=prefix_cache, max_batch_tokens=budget)
     (prompt,) = random_prompts([prompt_len], seed=prompt_len)
     seqs = group(prompt, [SamplingParams(max_tokens=max_tokens, temperature=0)] * 4)
-    run(engine, seqs)
+    run_checked(engine, seqs)
     assert prefill_tokens(engine) == prompt_len + 3 * tail(prompt_len)  # not 4 * prompt_len
     assert all(s.completion_ids == hf_greedy(prompt, max_tokens) for s in seqs)
 
@@ -57,7 +46,7 @@ def test_seeded_forks_are_what_their_seeds_give_alone_and_differ(tiny_checkpoint
     params = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=s) for s in (5, 6, 7, 8)]
     forked = make_engine(tiny_checkpoint, block_size=BLOCK, prefix_cache=False)
     seqs = group(prompt, params)
-    run(forked, seqs)
+    run_checked(forked, seqs)
     alone = make_engine(tiny_checkpoint, block_size=BLOCK, prefix_cache=False).generate([prompt] * 4, params)
     assert [s.completion_ids for s in seqs] == alone  # sharing the prompt changes no token
     assert len({tuple(c) for c in alone}) == 4
@@ -69,7 +58,7 @@ def test_forks_preempted_for_memory_recompute_their_prompt_correctly(tiny_checkp
     prompts = random_prompts([30, 30], seed=11)
     params = [SamplingParams(max_tokens=16, temperature=0)] * 4
     seqs = group(prompts[0], params) + group(prompts[1], params)
-    run(engine, seqs)
+    run_checked(engine, seqs)
     assert any(s.num_preemptions for s in seqs[1:4] + seqs[5:])  # forks were preempted
     for seq, prompt in zip(seqs, [prompts[0]] * 4 + [prompts[1]] * 4):
         assert seq.completion_ids == hf_greedy(prompt, 16)
@@ -84,7 +73,7 @@ def test_forks_of_an_aborted_leader_compute_their_prompt_themselves(tiny_checkpo
     engine.step()  # the leader's first chunk: its forks are admitted and wait for it
     assert all(f.fork_of is leader for f in forks) and len(engine.scheduler.running) == 3
     engine.abort(leader)
-    run(engine, [])
+    run_checked(engine, [])
     assert all(f.completion_ids == hf_greedy(prompt, 8) for f in forks)
     assert leader.completion_ids == []
 
@@ -93,7 +82,7 @@ def test_more_forks_than_a_step_can_hold_still_all_finish(tiny_checkpoint, hf_gr
     engine = make_engine(tiny_checkpoint, block_size=BLOCK, max_batch_tokens=2)  # two sequences per step
     (prompt,) = random_prompts([13], seed=6)
     seqs = group(prompt, [SamplingParams(max_tokens=5, temperature=0)] * 5)
-    run(engine, seqs)
+    run_checked(engine, seqs)
     assert all(s.completion_ids == hf_greedy(prompt, 5) for s in seqs)
 
 
@@ -101,7 +90,7 @@ def test_forks_have_their_prompts_logprobs_too(tiny_checkpoint, hf_model):
     engine = make_engine(tiny_checkpoint, block_size=BLOCK, max_batch_tokens=7)
     (prompt,) = random_prompts([26], seed=8)
     seqs = group(prompt, [SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1)] * 3)
-    run(engine, seqs)
+    run_checked(engine, seqs)
     with torch.no_grad():
         logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
     expected = logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1).tolist()

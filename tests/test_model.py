@@ -23,6 +23,17 @@ def make_engine(checkpoint, num_blocks=256, block_size=4, **settings) -> Engine:
     return Engine(runner, num_blocks, Settings(block_size=block_size, **settings), loaded.name)
 
 
+def run_checked(engine: Engine, seqs: list[Sequence]) -> None:
+    """Add the sequences and run the engine dry, checking every block's owners after every step."""
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+        engine.blocks.check_integrity(list(engine.scheduler.running) + list(engine.scheduler.waiting))
+    engine.blocks.check_integrity([])
+    assert engine.blocks.num_used_blocks == 0
+
+
 def logits_of(engine: Engine, seq: Sequence, start: int, end: int) -> torch.Tensor:
     """Logits at positions start..end-1, computing them over the cached positions before."""
     seq.num_computed_tokens = start

@@ -17,24 +17,6 @@ TOKENIZER = load_tokenizer()
 PROMPT = "The lighthouse keeper climbed the stairs and"
 
 
-@pytest.fixture(scope="module")
-def url(tiny_checkpoint, tmp_path_factory):
-    settings = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "4096"}
-    with running_server("dynamic", tmp_path_factory.mktemp("logs"), **settings) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    (served,) = client.models.list().data
-    return served.id
-
-
 def complete(client, model, **kwargs):
     kwargs.setdefault("extra_body", {})["ignore_eos"] = True  # compare whole lengths
     return client.completions.create(model=model, **kwargs)

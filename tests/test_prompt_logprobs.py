@@ -4,9 +4,8 @@ with the prefix cache on (after the same prompts were cached) and off, and under
 import pytest
 import torch
 from conftest import random_prompts
-from test_model import make_engine
+from test_model import make_engine, run_checked
 
-from generate.engine import Engine
 from generate.sequence import SamplingParams, Sequence
 
 BLOCK = 4
@@ -24,15 +23,6 @@ def hf_prompt_logprobs(hf_model):
         return chosen.tolist(), logprobs.topk(TOP).indices.tolist()
 
     return run
-
-
-def run(engine: Engine, seqs: list[Sequence]) -> None:
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
-        engine.blocks.check_integrity(list(engine.scheduler.running) + list(engine.scheduler.waiting))
-    engine.blocks.check_integrity([])
 
 
 def prompts() -> list[list[int]]:
@@ -61,7 +51,7 @@ def test_prompt_logprobs_equal_transformers_after_the_prompts_were_cached(
         Sequence(p, SamplingParams(max_tokens=n, temperature=0, prompt_logprobs=TOP))
         for p, n in zip(prompts(), lengths)
     ]
-    run(engine, seqs)
+    run_checked(engine, seqs)
     for seq, n in zip(seqs, lengths):
         assert_equal_to_transformers(seq, hf_prompt_logprobs)
         assert seq.num_cached_tokens == 0  # computed, not read from the cache
@@ -75,10 +65,10 @@ def test_prompt_logprob_requests_still_fill_the_cache_for_others(tiny_checkpoint
     engine = make_engine(tiny_checkpoint, block_size=BLOCK)
     distinct = random_prompts([24, 31, 9, 40], seed=41)
     for prompt in distinct:
-        run(engine, [Sequence(list(prompt), SamplingParams(max_tokens=1, prompt_logprobs=0))])
+        run_checked(engine, [Sequence(list(prompt), SamplingParams(max_tokens=1, prompt_logprobs=0))])
     for prompt in distinct:
         plain = Sequence(list(prompt), SamplingParams(max_tokens=1))
-        run(engine, [plain])
+        run_checked(engine, [plain])
         assert plain.num_cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
 
 
@@ -87,7 +77,7 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_checkpoint, hf_promp
     engine = make_engine(tiny_checkpoint, num_blocks=16, block_size=BLOCK, max_batch_tokens=7)
     long_prompts = random_prompts([25, 27, 30], seed=31)
     seqs = [Sequence(p, SamplingParams(max_tokens=20, temperature=0, prompt_logprobs=TOP)) for p in long_prompts]
-    run(engine, seqs)
+    run_checked(engine, seqs)
     assert engine.scheduler.num_preemptions > 0
     for seq in seqs:
         assert_equal_to_transformers(seq, hf_prompt_logprobs)
@@ -96,7 +86,7 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_checkpoint, hf_promp
 def test_a_prompt_only_sequence_generates_nothing_and_frees_its_blocks(tiny_checkpoint):
     engine = make_engine(tiny_checkpoint, block_size=BLOCK, max_batch_tokens=5)
     seq = Sequence(random_prompts([18], seed=2)[0], SamplingParams(max_tokens=0, prompt_logprobs=0))
-    run(engine, [seq])
+    run_checked(engine, [seq])
     assert seq.completion_ids == [] and seq.finish_reason == "length" and len(seq.prompt_logprobs) == 17
     assert all(e.top == () for e in seq.prompt_logprobs)
     assert engine.blocks.num_used_blocks == 0
