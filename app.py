@@ -7,6 +7,7 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from api import openai, simple
+from api.json_body import StrictJSONProvider, require_json
 from api.serving import Server
 from api.validation import ApiError
 from batching.manager import BatchingManager
@@ -29,6 +30,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     manager.start()
 
     app = Flask(__name__)
+    app.json = StrictJSONProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["server"] = srv = Server(settings, engine, manager, load_tokenizer())
     app.register_blueprint(simple.routes)
@@ -50,6 +52,11 @@ def create_app(settings: Settings | None = None) -> Flask:
         if not hmac.compare_digest(given, settings.api_key.encode()):
             raise ApiError(401, "a valid 'Authorization: Bearer <API_KEY>' header is required", "authentication_error")
         return None
+
+    @app.before_request
+    def require_json_posts():
+        if request.method == "POST" and request.routing_exception is None:  # a 404 or 405 stays one
+            require_json(request.is_json, request.content_type)
 
     @app.get("/stats")
     def stats():
