@@ -8,6 +8,7 @@ from werkzeug.exceptions import HTTPException
 
 from api import chat, openai, simple, tokenize
 from api.chat_template import ChatTemplate
+from api.json_body import StrictJSONProvider, require_json
 from api.serving import Server
 from api.validation import ApiError
 from batching.manager import BatchingManager
@@ -31,6 +32,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     manager.start()
 
     app = Flask(__name__)
+    app.json = StrictJSONProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["server"] = srv = Server(settings, engine, manager, load_tokenizer(), template)
     for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes):
@@ -52,6 +54,11 @@ def create_app(settings: Settings | None = None) -> Flask:
         if not hmac.compare_digest(given, settings.api_key.encode()):
             raise ApiError(401, "a valid 'Authorization: Bearer <API_KEY>' header is required", "authentication_error")
         return None
+
+    @app.before_request
+    def require_json_posts():
+        if request.method == "POST" and request.routing_exception is None:  # a 404 or 405 stays one
+            require_json(request.is_json, request.content_type)
 
     @app.get("/stats")
     def stats():

@@ -35,6 +35,8 @@ class Settings:
     seed: int = 0  # seed of random:<name> weights
     api_key: str = ""  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
     shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
+    attention_backend: str = "auto"  # auto: triton on CUDA when installed, else reference
+    cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
     chat_template: str = ""  # /v1/chat/completions: a template file (api/chat_template.toml's shape); empty: that one
 
@@ -49,6 +51,10 @@ class Settings:
             raise ValueError(f"SIM_NUM_GPUS must be at least 1, got {self.sim_num_gpus}")
         if self.max_batch_tokens < 0:
             raise ValueError(f"MAX_BATCH_TOKENS must be at least 1 (or 0 for the default), got {self.max_batch_tokens}")
+        if self.attention_backend not in ("auto", "reference", "triton"):
+            raise ValueError(f"ATTENTION_BACKEND must be auto, reference or triton, got {self.attention_backend!r}")
+        if self.cuda_graphs not in ("auto", "off"):
+            raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
         if self.step_log_size < 1:
             raise ValueError(f"STEP_LOG_SIZE must be at least 1, got {self.step_log_size}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
@@ -69,6 +75,10 @@ class Settings:
                 "when CHUNKED_PREFILL is off"
             )
         return max(budget, max_context)
+
+    def max_running(self, on_gpu: bool, max_context: int) -> int:
+        """Sequences that may run at once: each decodes a token every step, so no more than the budget holds."""
+        return min(self.max_batch_size, self.batch_token_budget(on_gpu, max_context))
 
     def redacted(self) -> "Settings":
         """These settings, safe to log."""

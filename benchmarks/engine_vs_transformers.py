@@ -90,7 +90,7 @@ def make_engine(model: GPT, name: str, batch: int, context: int) -> Engine:
         max_batch_tokens=max(1024, batch * context),
         prefix_cache=False,  # repeated prompts must not skip their prefill
     )
-    runner = ModelRunner(model, settings.kv_cache_blocks, settings.block_size)
+    runner = ModelRunner.from_settings(model, settings.kv_cache_blocks, settings)
     return Engine(runner, settings.kv_cache_blocks, settings, name, is_random=True)
 
 

@@ -52,7 +52,7 @@ def grid_engine(loaded: LoadedModel, max_prompt: int, max_response: int, max_bat
         max_batch_tokens=max(loaded.model.config.n_positions, max_batch * max_prompt),
         prefix_cache=False,  # repeated runs must not skip their prefill
     )
-    return Engine(ModelRunner(loaded.model, blocks, BLOCK_SIZE), blocks, settings, loaded.name)
+    return Engine(ModelRunner.from_settings(loaded.model, blocks, settings), blocks, settings, loaded.name)
 
 
 def measure_latency(engine: Engine, prompt: int, response: int, batch: int, repeats: int, seed: int) -> float:

@@ -15,9 +15,10 @@ from typing import NamedTuple
 import torch
 
 from config import Settings
-from generate.engine import Engine, kv_cache_blocks
+from generate.engine import Engine
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
+from kvcache.pool_size import pool_blocks
 from model.loader import load_model
 from model.tokenizer import load_tokenizer
 
@@ -95,8 +96,8 @@ def main() -> None:
         results = {}
         for cache in (False, True):
             settings = Settings(kv_cache_gb=args.kv_cache_gb, prefix_cache=cache)
-            num_blocks = kv_cache_blocks(settings, loaded.model, torch.device("cpu"), torch.float32)
-            runner = ModelRunner(loaded.model, num_blocks, settings.block_size)
+            num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(torch.float32), 4 * 2**30)
+            runner = ModelRunner.from_settings(loaded.model, num_blocks, settings)
             engine = Engine(runner, num_blocks, settings, loaded.name)
             results[cache] = r = run(engine, prompts, args.new_tokens)
             print(

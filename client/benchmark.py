@@ -9,10 +9,12 @@ python client/benchmark.py --workload seed-like --baseline --report
 python client/benchmark.py --workload saturate --numsamples 128 --max-concurrency 64
 python client/benchmark.py --workload shared-prefix            # prefix cache off vs on
 python client/benchmark.py --workload saturate --batch-sizes 8,32,128 --modes static,dynamic
+python client/benchmark.py --workload long-prompts           # chunked prefill off vs on
 """
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import platform
@@ -48,18 +50,22 @@ class RunSpec(NamedTuple):
 
 
 def planned_runs(args: argparse.Namespace) -> list[RunSpec]:
-    """Every mode x prefix-cache setting x batch size asked for, labelled by what varies.
+    """Every mode x prefix-cache setting x chunked-prefill setting x batch size asked for, labelled by what varies.
 
-    nobatch runs one request at a time whatever MAX_BATCH_SIZE says, so a sweep runs it once.
+    nobatch runs one request at a time whatever MAX_BATCH_SIZE says, so a sweep runs it once. Unchunked
+    runs take MAX_BATCH_TOKENS' default, which then covers a whole context.
     """
     runs = []
-    for mode in args.modes:
-        for cache in args.prefix_cache:
-            for size in ([] if mode == "nobatch" else args.batch_sizes) or [None]:
-                label = mode + (f" cache-{cache}" if len(args.prefix_cache) > 1 else "")
-                label += f" b={size}" if size and len(args.batch_sizes) > 1 else ""
-                settings = {"PREFIX_CACHE": cache} | ({"MAX_BATCH_SIZE": str(size)} if size else {})
-                runs.append(RunSpec(label, mode, settings, size))
+    for mode, cache, chunked in itertools.product(args.modes, args.prefix_cache, args.chunked_prefill):
+        for size in ([] if mode == "nobatch" else args.batch_sizes) or [None]:
+            label = mode + (f" cache-{cache}" if len(args.prefix_cache) > 1 else "")
+            label += f" chunked-{chunked}" if len(args.chunked_prefill) > 1 else ""
+            label += f" b={size}" if size and len(args.batch_sizes) > 1 else ""
+            settings = {"PREFIX_CACHE": cache}
+            if chunked == "off":  # and MAX_BATCH_TOKENS' default, which then covers a whole context
+                settings |= {"CHUNKED_PREFILL": "off", "MAX_BATCH_TOKENS": "0"}
+            settings |= {"MAX_BATCH_SIZE": str(size)} if size else {}
+            runs.append(RunSpec(label, mode, settings, size))
     return runs
 
 
@@ -129,6 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workload", choices=WORKLOADS, default="seed-like")
     parser.add_argument("--modes", help="comma-separated, from " + ", ".join(MODES) + " (default: the workload's)")
     parser.add_argument("--prefix-cache", help="PREFIX_CACHE settings to run each mode with, e.g. off,on")
+    parser.add_argument("--chunked-prefill", help="CHUNKED_PREFILL settings to run each mode with, e.g. off,on")
     parser.add_argument("--batch-sizes", help="MAX_BATCH_SIZE values to run each mode with, e.g. 8,32,128")
     parser.add_argument("--url", help="measure the server running here instead of starting one per run")
     parser.add_argument("--numsamples", type=int, help="requests (default: the workload's)")
@@ -151,13 +158,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.mean_tokens = args.mean_tokens or spec.mean_tokens
     args.modes = args.modes.split(",") if args.modes else list(spec.modes)
     args.prefix_cache = args.prefix_cache.split(",") if args.prefix_cache else list(spec.prefix_cache)
+    args.chunked_prefill = args.chunked_prefill.split(",") if args.chunked_prefill else list(spec.chunked_prefill)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else []
     args.slo = dict(args.slo)
     args.out = args.out or Path("results") / args.workload
     if not set(args.modes) <= set(MODES):
         parser.error(f"--modes must be taken from {', '.join(MODES)}")
-    if not set(args.prefix_cache) <= {"on", "off"}:
-        parser.error("--prefix-cache takes on, off or both")
+    if not set(args.prefix_cache) <= {"on", "off"} or not set(args.chunked_prefill) <= {"on", "off"}:
+        parser.error("--prefix-cache and --chunked-prefill take on, off or both")
     if args.numsamples < 1 or not args.rate > 0 or not args.mean_tokens >= 1 or min(args.batch_sizes, default=1) < 1:
         parser.error("--numsamples, --rate, --mean-tokens and --batch-sizes must be positive")
     return args

@@ -116,6 +116,18 @@ def summarize(
     return summary
 
 
+LONG_PROMPT = 512  # tokens: where the report splits TTFT by prompt length
+
+
+def ttft_by_prompt_length(results: Sequence[RequestResult]) -> dict[str, Summary | None]:
+    """TTFT (ms) of successful requests with prompts shorter than LONG_PROMPT and of the others."""
+    ok = [r for r in results if r.ok and r.ttft_s is not None]
+    return {
+        f"prompt < {LONG_PROMPT}": describe([r.ttft_s * 1000 for r in ok if r.prompt_tokens < LONG_PROMPT]),
+        f"prompt >= {LONG_PROMPT}": describe([r.ttft_s * 1000 for r in ok if r.prompt_tokens >= LONG_PROMPT]),
+    }
+
+
 _COUNT_ROWS = (
     ("requests ok", "requests_ok", "{:d}"),
     ("requests failed", "requests_failed", "{:d}"),

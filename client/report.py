@@ -3,6 +3,8 @@
 from pathlib import Path
 from typing import Any
 
+from client.metrics import RequestResult, ttft_by_prompt_length
+
 LATENCIES = (
     ("TTFT", "ttft_ms"),
     ("TPOT", "tpot_ms"),
@@ -30,7 +32,17 @@ def results_tables(runs: list[dict[str, Any]], markdown: bool) -> str:
             latency_rows.append([run["label"], name, *cells])
     latency_header = ["run", "metric", "mean ms", "median ms", "p99 ms"]
     render = _markdown if markdown else _text
-    return render(header, rows, labels=1) + "\n\n" + render(latency_header, latency_rows, labels=2)
+    tables = [render(header, rows, labels=1), render(latency_header, latency_rows, labels=2)]
+    by_length = [(run["label"], ttft_by_prompt_length([RequestResult(**r) for r in run["requests"]])) for run in runs]
+    if any(all(groups.values()) for _, groups in by_length):  # short and long prompts both ran: TTFT of each
+        length_rows = [
+            [label, f"TTFT, {group}", f"{stats.mean:.1f}", f"{stats.p50:.1f}", f"{stats.p99:.1f}"]
+            for label, groups in by_length
+            for group, stats in groups.items()
+            if stats
+        ]
+        tables.append(render(latency_header, length_rows, labels=2))
+    return "\n\n".join(tables)
 
 
 def _text(header: list[str], rows: list[list[str]], labels: int) -> str:

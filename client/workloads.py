@@ -4,6 +4,7 @@ seed-like      the original experiment: 100 requests, Poisson arrivals at 1 req/
 saturate       the same prompts, all sent at once
 shared-prefix  one long system prompt in front of every question: the prefix cache's case
 sharegpt-like  prompt and response lengths drawn like chat traffic (log-normal, heavy-tailed)
+long-prompts   32 short requests decoding while the rest, long prompts (700-1000 tokens), arrive: chunked prefill's case
 """
 
 import math
@@ -21,6 +22,10 @@ SYSTEM_PROMPT_TOKENS = 500
 # ShareGPT's mean lengths as reported in the vLLM paper (Kwon et al. 2023, Table 1): 161 in, 338 out.
 SHAREGPT_MEAN_PROMPT = 161
 SHAREGPT_SIGMA = 1.0  # spread of the log-normal: a long tail, median about 60% of the mean
+DECODERS = 32  # long-prompts: short requests that decode while the long prompts arrive
+LONG_PROMPT_TOKENS = (700, 1000)  # long-prompts: prompt lengths, uniform
+LONG_PROMPT_OUTPUT = 16
+LONG_PROMPTS_START_S = 2.0  # the first long prompt arrives once the decoders are running
 
 
 class Request(NamedTuple):
@@ -41,6 +46,7 @@ class WorkloadSpec(NamedTuple):
     mean_tokens: float
     modes: tuple[str, ...]  # the server modes it compares
     prefix_cache: tuple[str, ...]  # the PREFIX_CACHE settings each mode runs with
+    chunked_prefill: tuple[str, ...] = ("on",)  # the CHUNKED_PREFILL settings each mode runs with
 
 
 WORKLOADS = {
@@ -48,12 +54,16 @@ WORKLOADS = {
     "saturate": WorkloadSpec(256, math.inf, 100.0, MODES, ("on",)),
     "shared-prefix": WorkloadSpec(100, math.inf, 16.0, ("dynamic",), ("off", "on")),
     "sharegpt-like": WorkloadSpec(100, 1.0, 338.0, MODES, ("on",)),
+    # DECODERS short requests, then numsamples - DECODERS long prompts, one every 1/rate seconds
+    "long-prompts": WorkloadSpec(40, 0.2, 200.0, ("dynamic",), ("on",), ("off", "on")),
 }
 
 
 def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int = 0) -> Workload:
     """Workload `name` with `numsamples` requests; the same arguments always give the same workload."""
     tokenizer = load_tokenizer()
+    if name == "long-prompts":
+        return _long_prompts(tokenizer, numsamples, rate, mean_tokens, seed)
     if name == "sharegpt-like":
         pairs = _sharegpt_like(tokenizer, numsamples, mean_tokens, seed)
     else:
@@ -65,6 +75,27 @@ def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int
     assert all(len(ids) + n <= CONTEXT for ids, n in pairs)
     requests = [Request(ids, n, seed * 1_000_000 + i) for i, (ids, n) in enumerate(pairs)]
     return Workload(name, requests, arrival_offsets(numsamples, rate, seed))
+
+
+def _long_prompts(tokenizer: tiktoken.Encoding, total: int, rate: float, mean_tokens: float, seed: int) -> Workload:
+    """DECODERS short requests at once, then the other `total - DECODERS`, long prompts, at a steady `rate`
+    (not Poisson: runs with and without chunked prefill must meet the long prompts at the same moments)."""
+    if total <= DECODERS:
+        raise ValueError(f"long-prompts needs more than {DECODERS} requests: {DECODERS} decoders, then long prompts")
+    n = total - DECODERS
+    rng = random.Random(f"long-prompts:{seed}")
+    samples = PromptData(seed=seed, mean_tokens=mean_tokens, std_tokens=mean_tokens / 4).samples(DECODERS)
+    pairs = [(tokenizer.encode(s.prompt), s.num_tokens) for s in samples]
+    text = _long_text_ids(tokenizer, 2 * CONTEXT, seed)
+    for _ in range(n):
+        length = rng.randint(*LONG_PROMPT_TOKENS)
+        start = rng.randrange(len(text) - length)
+        pairs.append((text[start : start + length], LONG_PROMPT_OUTPUT))
+    assert all(len(ids) + tokens <= CONTEXT for ids, tokens in pairs)
+    requests = [Request(ids, tokens, seed * 1_000_000 + i) for i, (ids, tokens) in enumerate(pairs)]
+    interval = 0.0 if math.isinf(rate) else 1 / rate
+    offsets = [0.0] * DECODERS + [LONG_PROMPTS_START_S + i * interval for i in range(n)]
+    return Workload("long-prompts", requests, offsets)
 
 
 def _long_text_ids(tokenizer: tiktoken.Encoding, num_tokens: int, seed: int) -> list[int]:

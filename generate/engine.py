@@ -50,9 +50,8 @@ class Engine:
         self.max_context = runner.max_context
         self.max_batch_tokens = settings.batch_token_budget(runner.on_gpu, runner.max_context)
         self.blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_cache)
-        self.scheduler = Scheduler(
-            self.blocks, settings.max_batch_size, self.max_batch_tokens, settings.chunked_prefill
-        )
+        max_running = settings.max_running(runner.on_gpu, runner.max_context)
+        self.scheduler = Scheduler(self.blocks, max_running, self.max_batch_tokens, settings.chunked_prefill)
         self.step_log = StepLog(settings.step_log_size)
         self.num_steps = 0
 
@@ -72,7 +71,7 @@ class Engine:
             num_blocks,
             settings.block_size,
         )
-        runner = ModelRunner(loaded.model, num_blocks, settings.block_size)
+        runner = ModelRunner.from_settings(loaded.model, num_blocks, settings)
         return cls(runner, num_blocks, settings, loaded.name, loaded.is_random)
 
     @property

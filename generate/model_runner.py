@@ -1,30 +1,102 @@
-"""Run GPT-2 over the scheduled sequences: build the flat batch, forward, then the sampler."""
+"""Run GPT-2 over the scheduled sequences: build the step's inputs, forward, then the sampler."""
 
+import importlib.util
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from config import Settings
 from generate.sampler import Sampler
 from generate.sequence import Sequence
-from generate.step_input import build_step_batch
+from generate.step_input import build_step_inputs, reference_groups
 from generate.step_log import StageClock
-from model.gpt2 import GPT
+from model.attention import GatherSpace, PagedInputs, ReferenceAttention, StepAttention
+from model.gpt2 import GPT, StepBatch
+
+if TYPE_CHECKING:
+    from generate.cuda_graphs import DecodeGraphs
+
+GRAPH_MODES = ("off", "eager", "capture")  # eager: the graphs' static buffers, run without capture (CPU tests)
 
 
 class ModelRunner:
-    """Owns the model and its KV cache tensor; the engine owns which slots each sequence uses."""
+    """Owns the model and its KV cache tensor; the engine owns which slots each sequence uses.
 
-    def __init__(self, model: GPT, num_blocks: int, block_size: int):
-        self.model, self.block_size = model, block_size
+    The cache has one block more than the pool: a scratch block that the padding rows of a
+    CUDA-graph batch write to, which no sequence ever owns.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        num_blocks: int,
+        block_size: int,
+        attention: str = "reference",
+        graphs: str = "off",
+        max_batch_size: int = 256,
+    ):
+        assert graphs in GRAPH_MODES and (graphs == "off" or attention == "triton"), "graphs replay the paged kernel"
+        self.model, self.block_size, self.attention = model, block_size, attention
         self.device = model.wte.weight.device
         self.max_context = model.config.n_positions
         self.on_gpu = self.device.type == "cuda"
+        self.space = GatherSpace()
         self.sampler = Sampler(self.device)
-        model.allocate_kv_cache(num_blocks, block_size)
+        model.allocate_kv_cache(num_blocks + 1, block_size)
+        self.graphs: DecodeGraphs | None = None
+        if graphs != "off":
+            from generate import cuda_graphs  # needs triton
+
+            self.graphs = cuda_graphs.DecodeGraphs(model, max_batch_size, block_size, scratch_block=num_blocks)
+            if graphs == "capture":
+                self.graphs.capture()
+
+    @classmethod
+    def from_settings(cls, model: GPT, num_blocks: int, settings: Settings) -> "ModelRunner":
+        """ATTENTION_BACKEND auto: the Triton kernel on CUDA when triton is installed, else the reference.
+        CUDA_GRAPHS auto: decode steps from graphs whenever the kernel runs on CUDA."""
+        device = model.wte.weight.device
+        attention = settings.attention_backend
+        if attention == "auto":
+            attention = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "reference"
+        if attention == "triton" and importlib.util.find_spec("triton") is None:
+            raise ValueError("ATTENTION_BACKEND=triton needs the triton package (it comes with CUDA builds of torch)")
+        if attention == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("ATTENTION_BACKEND=triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+        on_cuda = attention == "triton" and device.type == "cuda"
+        graphs = "capture" if settings.cuda_graphs == "auto" and on_cuda else "off"
+        max_batch = settings.max_running(device.type == "cuda", model.config.n_positions)
+        return cls(model, num_blocks, settings.block_size, attention, graphs, max_batch)
 
     def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]:
         """One forward over every sequence's scheduled tokens (chunks first); the next token of each
         sequence whose chunk reaches its end, None for the others."""
-        batch = build_step_batch(seqs, self.block_size, self.device)
-        clock.lap("build")
-        logits = self.model(batch)  # [N, V]: the rows each sequence asks for (Sequence.logits_positions)
+        logits = self._forward(seqs, clock)  # [N, V]: the rows each sequence asks for (Sequence.logits_positions)
         clock.lap("forward")
-        tokens = self.sampler(seqs, logits)
+        tokens = self.sampler(seqs, logits)  # the step's one device-to-host transfer: the sampled tokens
         clock.lap("sample")
         return tokens
+
+    def _forward(self, seqs: list[Sequence], clock: StageClock) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(seqs):
+            self.graphs.prepare(seqs)
+            clock.lap("build")
+            return self.graphs.replay(len(seqs))
+        inputs = build_step_inputs(seqs, self.block_size, self.device)
+        batch = StepBatch(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slot_mapping,
+            self._attention(seqs, inputs.paged),
+            inputs.logits_rows,
+        )
+        clock.lap("build")
+        return self.model(batch)
+
+    def _attention(self, seqs: list[Sequence], paged: PagedInputs) -> StepAttention:
+        if self.attention == "triton":
+            from model.triton_attention import TritonAttention  # only where triton is installed
+
+            return TritonAttention(paged)
+        return ReferenceAttention(reference_groups(seqs, self.block_size, self.device), self.space)

@@ -26,10 +26,10 @@ from kvcache.block_manager import BlockManager, KVCacheExhausted
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool):
-        assert max_num_batched_tokens >= 1
-        self.blocks = blocks
         # Every running sequence decodes one token per step, so no more may run than the budget has tokens.
-        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+        assert 1 <= max_num_seqs <= max_num_batched_tokens
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         # Keep a few blocks back when admitting beside running sequences, so that their

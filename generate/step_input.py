@@ -1,15 +1,29 @@
-"""Turn the scheduled sequences into the flat StepBatch the model runs on."""
+"""Turn the scheduled sequences into the flat inputs of one step.
+
+Rows are the scheduled tokens of each sequence in the order given (multi-token chunks
+first): whole prompts, prompt chunks, recomputed tails and single decode tokens, with no
+padding. Every integer input goes to the device in one copy from pinned memory.
+"""
+
+from typing import NamedTuple
 
 import torch
 
 from generate.sequence import Sequence
-from model.gpt2 import AttentionGroup, StepBatch
+from model.attention import AttentionGroup, PagedInputs
 
 
-def build_step_batch(seqs: list[Sequence], block_size: int, device: torch.device) -> StepBatch:
-    """Rows: the scheduled tokens of each sequence, in the order given (multi-token chunks first);
-    logits rows: those of each sequence's logits positions (Sequence.logits_positions), in order."""
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] cache slot of each row's key/value
+    logits_rows: torch.Tensor  # [N] the rows of each sequence's logits positions (Sequence.logits_positions)
+    paged: PagedInputs
+
+
+def build_step_inputs(seqs: list[Sequence], block_size: int, device: torch.device) -> StepInputs:
     input_ids, positions, slots, logits_rows = [], [], [], []
+    query_start, context_lens = [0], []
     for seq in seqs:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
         assert end > start, "a scheduled sequence has a token to compute"
@@ -17,23 +31,48 @@ def build_step_batch(seqs: list[Sequence], block_size: int, device: torch.device
         positions += range(start, end)
         slots += (seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
         logits_rows += (len(input_ids) - end + p for p in seq.logits_positions())
-    prefills = [s for s in seqs if s.num_scheduled_tokens > 1]
-    assert seqs[: len(prefills)] == prefills, "prefills must come first"
-    groups = []
-    if prefills:
-        groups.append(_prefill_group(prefills, block_size))
-    if len(prefills) < len(seqs):
-        groups.append(
-            _decode_group(seqs[len(prefills) :], block_size, first_row=len(input_ids) - len(seqs) + len(prefills))
-        )
-    to = dict(device=device, non_blocking=True)
-    return StepBatch(
-        input_ids=torch.tensor(input_ids).to(**to),
-        positions=torch.tensor(positions).to(**to),
-        slot_mapping=torch.tensor(slots).to(**to),
-        groups=[AttentionGroup(*(t if t is None else t.to(**to) for t in g)) for g in groups],
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long).to(**to),
+        query_start.append(len(input_ids))
+        context_lens.append(end)
+    width = -(-max(context_lens) // block_size)
+    tables = [
+        t + [0] * (width - len(t)) for t in (s.block_table[: -(-c // block_size)] for s, c in zip(seqs, context_lens))
+    ]
+    t = upload(
+        device,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        logits_rows=logits_rows,
+        query_start=query_start,
+        context_lens=context_lens,
+        block_tables=[b for row in tables for b in row],
     )
+    max_query_len = max(s.num_scheduled_tokens for s in seqs)
+    paged = PagedInputs(t["query_start"], t["context_lens"], t["block_tables"].view(len(seqs), width), max_query_len)
+    return StepInputs(t["input_ids"], t["positions"], t["slot_mapping"], t["logits_rows"], paged)
+
+
+def upload(device: torch.device, **arrays: list[int]) -> dict[str, torch.Tensor]:
+    """Integer arrays as int64 tensors on `device`, in one host-to-device copy from pinned memory."""
+    sizes = [len(a) for a in arrays.values()]
+    flat = [x for a in arrays.values() for x in a]
+    host = torch.tensor(flat, dtype=torch.int64, pin_memory=device.type == "cuda")  # [sum of sizes]
+    moved = host.to(device, non_blocking=True)
+    return dict(zip(arrays, moved.split(sizes)))
+
+
+def reference_groups(seqs: list[Sequence], block_size: int, device: torch.device) -> list[AttentionGroup]:
+    """The reference backend's attention groups: multi-token chunks together, single rows together."""
+    chunks = [s for s in seqs if s.num_scheduled_tokens > 1]
+    assert seqs[: len(chunks)] == chunks, "multi-token chunks must come first"
+    groups = []
+    if chunks:
+        groups.append(_chunk_group(chunks, block_size))
+    if len(chunks) < len(seqs):
+        first_row = sum(s.num_scheduled_tokens for s in chunks)
+        groups.append(_single_row_group(seqs[len(chunks) :], block_size, first_row))
+    to = dict(device=device, non_blocking=True)
+    return [AttentionGroup(*(t if t is None else t.to(**to) for t in g)) for g in groups]
 
 
 def _key_blocks(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,14 +83,14 @@ def _key_blocks(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, to
     return torch.tensor([t + [0] * (width - len(t)) for t in tables]), context  # [B, nb], [B]
 
 
-def _decode_group(seqs: list[Sequence], block_size: int, first_row: int) -> tuple:
+def _single_row_group(seqs: list[Sequence], block_size: int, first_row: int) -> tuple:
     key_blocks, context = _key_blocks(seqs, block_size)  # [B, nb], [B]
     query_index = torch.arange(first_row, first_row + len(seqs)).unsqueeze(1)  # [B, 1]
     mask = torch.arange(key_blocks.shape[1] * block_size) < context.unsqueeze(1)  # [B, Lk]
     return query_index, key_blocks, mask[:, None, None, :], None  # mask [B, 1, 1, Lk]
 
 
-def _prefill_group(seqs: list[Sequence], block_size: int) -> tuple:
+def _chunk_group(seqs: list[Sequence], block_size: int) -> tuple:
     key_blocks, context = _key_blocks(seqs, block_size)  # [B, nb], [B]
     new = torch.tensor([s.num_scheduled_tokens for s in seqs])  # [B]
     first_row = torch.cumsum(new, 0) - new  # [B]

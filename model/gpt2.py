@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from model.attention import StepAttention
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,49 +43,12 @@ PRESETS = {
 
 
 @dataclass(slots=True)
-class AttentionGroup:
-    """Sequences of one step that attend together, padded to a common shape.
-
-    The engine puts sequences with several new tokens (prefills) in one group and
-    single-token decodes in another, so a 500-token prompt never pads 100 decodes.
-    Each group's query rows are a contiguous range of the flat batch.
-    """
-
-    query_index: torch.Tensor  # [B, Lq] flat row of each query (padding points at row 0)
-    key_blocks: torch.Tensor  # [B, nb] cache blocks holding each sequence's keys (padding: block 0)
-    mask: torch.Tensor  # [B, 1, Lq, Lk] True where the query may attend; Lk = nb * block size
-    valid_rows: torch.Tensor | None  # [N] rows of the [B*Lq] padded output that are real
-
-
-@dataclass(slots=True)
 class StepBatch:
     input_ids: torch.Tensor  # [T] new tokens of every sequence, concatenated
     positions: torch.Tensor  # [T] their positions in their sequences
     slot_mapping: torch.Tensor  # [T] cache slot each new key/value is written to
-    groups: list[AttentionGroup]  # attention groups, covering rows 0..T-1 in order
-    logits_rows: torch.Tensor  # [N] rows whose next token is wanted
-
-
-class GatherSpace:
-    """One reusable pair of buffers for the keys/values each attention group copies out of the paged cache.
-
-    On CPU a fresh tensor of tens of megabytes per layer and step costs more in page faults (the
-    allocator hands big blocks back to the OS) than the copy itself: reusing one buffer makes the
-    gather ~6x faster. The layers run one after another, so they can share it.
-    """
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None  # [rows, bs, H, D], rows >= any group's blocks so far
-        self.v: torch.Tensor | None = None
-
-    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = blocks.numel()
-        if self.k is None or self.k.shape[0] < n or self.k.dtype != k_cache.dtype or self.k.device != k_cache.device:
-            self.k = k_cache.new_empty((n, *k_cache.shape[1:]))
-            self.v = torch.empty_like(self.k)
-        k = torch.index_select(k_cache, 0, blocks, out=self.k[:n])  # [n, bs, H, D]
-        v = torch.index_select(v_cache, 0, blocks, out=self.v[:n])  # [n, bs, H, D]
-        return k, v
+    attention: StepAttention  # how the rows attend over the cache (model/attention.py)
+    logits_rows: torch.Tensor | None  # [N] rows whose next token is wanted; None: every row
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,29 +59,14 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch, space: GatherSpace) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=1)  # 3 x [T, C]
         q = q.view(T, self.n_head, self.head_dim)  # [T, H, D]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, bs, H, D] each
         k_cache.view(-1, self.n_head, self.head_dim)[batch.slot_mapping] = k.view(T, self.n_head, self.head_dim)
         v_cache.view(-1, self.n_head, self.head_dim)[batch.slot_mapping] = v.view(T, self.n_head, self.head_dim)
-        outputs = [self._attend(q, k_cache, v_cache, group, space) for group in batch.groups]
-        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, C]
-        return self.c_proj(y)
-
-    @staticmethod
-    def _attend(q, k_cache, v_cache, group: AttentionGroup, space: GatherSpace) -> torch.Tensor:
-        B, Lq = group.query_index.shape
-        _, _, H, D = k_cache.shape
-        # whole blocks: contiguous copies, far faster than per-key gathers
-        k, v = space.gather(k_cache, v_cache, group.key_blocks.flatten())  # [B*nb, bs, H, D] each
-        q = q[group.query_index].transpose(1, 2)  # [B, H, Lq, D]
-        k = k.view(B, -1, H, D).transpose(1, 2)  # [B, H, Lk, D]
-        v = v.view(B, -1, H, D).transpose(1, 2)  # [B, H, Lk, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)  # [B, H, Lq, D]
-        y = y.transpose(1, 2).reshape(B * Lq, -1)  # [B*Lq, C]
-        return y if group.valid_rows is None else y[group.valid_rows]  # [rows, C]
+        return self.c_proj(batch.attention.attend(q, k_cache, v_cache))  # [T, C]
 
 
 class MLP(nn.Module):
@@ -139,8 +88,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch, space: GatherSpace) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, batch, space)  # [T, C]
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, batch)  # [T, C]
         return x + self.mlp(self.ln_2(x))  # [T, C]
 
 
@@ -155,7 +104,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in the released checkpoints
         self.kv_cache: torch.Tensor | None = None  # [L, 2, NB, bs, H, D]
-        self.gather_space = GatherSpace()
 
     def init_random(self, seed: int) -> None:
         """nanoGPT's initialisation, from a private generator so the seed fixes the weights."""
@@ -180,6 +128,8 @@ class GPT(nn.Module):
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         x = self.wte(batch.input_ids) + self.wpe(batch.positions)  # [T, C]
         for layer, block in enumerate(self.h):
-            x = block(x, self.kv_cache[layer], batch, self.gather_space)  # [T, C]
-        x = self.ln_f(x[batch.logits_rows])  # [N, C]
+            x = block(x, self.kv_cache[layer], batch)  # [T, C]
+        if batch.logits_rows is not None:
+            x = x[batch.logits_rows]  # [N, C]
+        x = self.ln_f(x)  # [N, C]
         return self.lm_head(x).float()  # [N, V]

@@ -178,7 +178,7 @@ def profile(
         max_batch_tokens=max(limit, max(batches) * longest),
         prefix_cache=False,  # repeated prompts must not skip their prefill
     )
-    runner = _Runner(ModelRunner(loaded.model, blocks, BLOCK_SIZE))
+    runner = _Runner(ModelRunner.from_settings(loaded.model, blocks, engine_settings))
     found = measure(Engine(runner, blocks, engine_settings, loaded.name), lengths, batches, contexts, repeats)
     model = gpt2_profile(loaded.name, loaded.model.config, dtype)
     steps = found.prefill + found.decode

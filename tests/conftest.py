@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny GPT-2 checkpoint written by transformers, and its greedy oracle."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+if not torch.cuda.is_available():
+    # The Triton kernel's tests run it on CPU tensors through Triton's interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Spread-out random weights, so greedy continuations vary token to token and any error
 # in positions or cached keys/values changes the output (GPT-2's 0.02 gives one token repeated).
@@ -50,6 +55,19 @@ def hf_greedy(hf_model):
             )
             cache[key] = out[0, len(prompt_ids) :].tolist()
         return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def hf_prompt_logprobs(hf_model):
+    """transformers' log-probability of each prompt token after the first, and the `top` likeliest ids there."""
+
+    def run(prompt: list[int], top: int = 1) -> tuple[list[float], list[list[int]]]:
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+        return chosen.tolist(), logprobs.topk(top).indices.tolist()
 
     return run
 

@@ -45,6 +45,25 @@ def test_sharegpt_like_lengths_have_chat_means_and_a_long_tail():
     assert 280 < statistics.mean(outputs) < 350
 
 
+def test_long_prompts_arrive_steadily_while_32_decoders_run():
+    workload = build("long-prompts", 40, 0.25, 200)
+    decoders, long = workload.requests[:32], workload.requests[32:]
+    assert workload.offsets[:32] == [0.0] * 32
+    assert workload.offsets[32:] == [2.0 + 4.0 * i for i in range(8)]
+    assert all(len(r.prompt_ids) < 100 for r in decoders) and statistics.mean(r.num_tokens for r in decoders) > 150
+    assert all(700 <= len(r.prompt_ids) <= 1000 and r.num_tokens == 16 for r in long)
+    with pytest.raises(ValueError, match="more than 32 requests"):
+        build("long-prompts", 32, 0.25, 200)
+
+
+def test_long_prompts_runs_compare_chunked_prefill_off_and_on():
+    runs = planned_runs(parse_args(["--workload", "long-prompts"]))
+    assert [(r.label, r.settings) for r in runs] == [
+        ("dynamic chunked-off", {"PREFIX_CACHE": "on", "CHUNKED_PREFILL": "off", "MAX_BATCH_TOKENS": "0"}),
+        ("dynamic chunked-on", {"PREFIX_CACHE": "on"}),
+    ]
+
+
 def test_runs_cover_every_mode_cache_setting_and_batch_size():
     args = parse_args(["--workload", "shared-prefix"])
     assert [(r.label, r.mode, r.settings) for r in planned_runs(args)] == [

@@ -1,6 +1,15 @@
 import pytest
 
-from client.metrics import RequestResult, Summary, describe, format_table, percentile, summarize, tpot
+from client.metrics import (
+    RequestResult,
+    Summary,
+    describe,
+    format_table,
+    percentile,
+    summarize,
+    tpot,
+    ttft_by_prompt_length,
+)
 
 
 def ok_result(output_tokens: int, ttft_s: float | None, latency_s: float) -> RequestResult:
@@ -170,3 +179,12 @@ def test_goodput_counts_requests_within_every_slo():
     assert summary["goodput_requests_per_s"] == pytest.approx(2 / 2.0)  # fast and one_token
     assert summarize(results, 2.0, {"e2el": 800})["goodput_requests_per_s"] == pytest.approx(3 / 2.0)
     assert summarize(results, 2.0, {"ttft": 50})["goodput_requests_per_s"] == 0
+
+
+def test_ttft_by_prompt_length_splits_at_512_tokens():
+    short = [ok_result(4, 0.1, 1.0), ok_result(4, 0.3, 1.0)]
+    long = ok_result(4, 2.0, 3.0)._replace(prompt_tokens=512)
+    groups = ttft_by_prompt_length([*short, long, failed_result("HTTP 500")])
+    assert groups["prompt < 512"] == pytest.approx(Summary(mean=200, p50=200, p99=298))
+    assert groups["prompt >= 512"] == pytest.approx(Summary(mean=2000, p50=2000, p99=2000))
+    assert ttft_by_prompt_length(short)["prompt >= 512"] is None

@@ -2,7 +2,6 @@
 blocks accounted for at every step, under preemption, an aborted leader and tiny budgets."""
 
 import pytest
-import torch
 from conftest import random_prompts
 from test_model import make_engine, run_checked
 
@@ -86,14 +85,27 @@ def test_more_forks_than_a_step_can_hold_still_all_finish(tiny_checkpoint, hf_gr
     assert all(s.completion_ids == hf_greedy(prompt, 5) for s in seqs)
 
 
-def test_forks_have_their_prompts_logprobs_too(tiny_checkpoint, hf_model):
+def test_forks_have_their_prompts_logprobs_too(tiny_checkpoint, hf_prompt_logprobs):
     engine = make_engine(tiny_checkpoint, block_size=BLOCK, max_batch_tokens=7)
     (prompt,) = random_prompts([26], seed=8)
     seqs = group(prompt, [SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1)] * 3)
     run_checked(engine, seqs)
-    with torch.no_grad():
-        logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
-    expected = logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1).tolist()
+    expected, _ = hf_prompt_logprobs(prompt)
     for seq in seqs:
         assert [e.logprob for e in seq.prompt_logprobs] == pytest.approx(expected, abs=1e-3)
     assert prefill_tokens(engine) == 26 + 2 * tail(26)
+
+
+def test_forks_and_prompt_logprobs_through_the_paged_kernel_and_decode_graphs(
+    tiny_checkpoint, hf_greedy, hf_prompt_logprobs
+):
+    # The Triton kernel (under its interpreter on CPU) and the graph runner's static buffers (capture off).
+    engine = make_engine(tiny_checkpoint, block_size=BLOCK, attention="triton", graphs="eager", max_batch_tokens=9)
+    (prompt,) = random_prompts([22], seed=12)
+    seqs = group(prompt, [SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0)] * 3)
+    run_checked(engine, seqs)
+    expected, _ = hf_prompt_logprobs(prompt)
+    for seq in seqs:
+        assert seq.completion_ids == hf_greedy(prompt, 6)
+        assert [e.logprob for e in seq.prompt_logprobs] == pytest.approx(expected, abs=1e-3)
+    assert engine.runner.graphs.num_replays > 0 and prefill_tokens(engine) == 22 + 2 * tail(22)

@@ -11,16 +11,22 @@ from config import Settings
 from generate.engine import Engine
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
-from generate.step_input import build_step_batch
+from generate.step_input import build_step_inputs, reference_groups
+from model.attention import ReferenceAttention
+from model.gpt2 import StepBatch
 from model.loader import ModelLoadError, load_model, resolve_model
 
 CPU = torch.device("cpu")
 
 
-def make_engine(checkpoint, num_blocks=256, block_size=4, **settings) -> Engine:
+def make_engine(checkpoint, num_blocks=256, block_size=4, attention="reference", graphs="off", **settings) -> Engine:
+    """An engine on CPU; attention="triton" runs the kernel under Triton's interpreter, graphs="eager"
+    the CUDA-graph runner's static buffers without capture."""
     loaded = load_model(str(checkpoint), CPU, torch.float32)
-    runner = ModelRunner(loaded.model, num_blocks, block_size)
-    return Engine(runner, num_blocks, Settings(block_size=block_size, **settings), loaded.name)
+    settings = Settings(block_size=block_size, **settings)
+    max_batch = settings.max_running(False, loaded.model.config.n_positions)
+    runner = ModelRunner(loaded.model, num_blocks, block_size, attention, graphs, max_batch)
+    return Engine(runner, num_blocks, settings, loaded.name)
 
 
 def run_checked(engine: Engine, seqs: list[Sequence]) -> None:
@@ -37,8 +43,10 @@ def run_checked(engine: Engine, seqs: list[Sequence]) -> None:
 def logits_of(engine: Engine, seq: Sequence, start: int, end: int) -> torch.Tensor:
     """Logits at positions start..end-1, computing them over the cached positions before."""
     seq.num_computed_tokens = start
-    batch = build_step_batch([_upto(seq, end)], engine.blocks.block_size, CPU)
-    batch.logits_rows = torch.arange(end - start)
+    view = _upto(seq, end)
+    inputs = build_step_inputs([view], engine.blocks.block_size, CPU)
+    attention = ReferenceAttention(reference_groups([view], engine.blocks.block_size, CPU), engine.runner.space)
+    batch = StepBatch(inputs.input_ids, inputs.positions, inputs.slot_mapping, attention, logits_rows=None)
     return engine.runner.model(batch)
 
 

@@ -2,7 +2,6 @@
 with the prefix cache on (after the same prompts were cached) and off, and under preemption."""
 
 import pytest
-import torch
 from conftest import random_prompts
 from test_model import make_engine, run_checked
 
@@ -12,26 +11,13 @@ BLOCK = 4
 TOP = 3
 
 
-@pytest.fixture(scope="module")
-def hf_prompt_logprobs(hf_model):
-    """transformers' log-probability of each prompt token after the first, and the TOP likeliest ids there."""
-
-    def run(prompt: list[int]) -> tuple[list[float], list[list[int]]]:
-        with torch.no_grad():
-            logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
-        return chosen.tolist(), logprobs.topk(TOP).indices.tolist()
-
-    return run
-
-
 def prompts() -> list[list[int]]:
     (prefix,) = random_prompts([23], seed=21)
     return random_prompts([1, 9, 17, 0], seed=22, prefix=prefix) + random_prompts([2, 31], seed=23)
 
 
 def assert_equal_to_transformers(seq: Sequence, reference) -> None:
-    expected, top_ids = reference(seq.token_ids[: seq.num_prompt_tokens])
+    expected, top_ids = reference(seq.token_ids[: seq.num_prompt_tokens], TOP)
     assert len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1
     assert [e.logprob for e in seq.prompt_logprobs] == pytest.approx(expected, abs=1e-3)
     assert [[t for t, _ in e.top] for e in seq.prompt_logprobs] == top_ids

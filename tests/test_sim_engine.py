@@ -49,6 +49,20 @@ def test_one_request_costs_one_prefill_and_n_minus_1_decodes():
     assert simulate(TINY_GPU, TINY_MODEL, 10, 6, 1).total_s == pytest.approx(sum(expected))
 
 
+def test_a_chunked_prompt_costs_each_chunk_at_its_own_context():
+    engine, clock = sim_engine(max_batch_tokens=8)
+    (completion,) = engine.generate([list(range(1, 31))], GREEDY)
+    assert len(completion) == 6
+    chunks = [tiny_step_s([(8, 8)]), tiny_step_s([(8, 16)]), tiny_step_s([(8, 24)]), tiny_step_s([(6, 30)])]
+    assert clock.sleeps == pytest.approx(chunks + [tiny_step_s([(1, c)]) for c in range(31, 36)])
+    # a decode beside a chunk: one step, both parts costed together
+    engine.add(Sequence(list(range(1, 5)), SamplingParams(max_tokens=3, temperature=0)))
+    engine.step()
+    engine.add(Sequence(list(range(40, 60)), GREEDY))
+    engine.step()
+    assert clock.sleeps[-1] == pytest.approx(tiny_step_s([(1, 5), (7, 7)]))
+
+
 def test_a_batch_of_four_costs_less_than_four_alone_and_what_simulate_predicts():
     prompts = [[7 * i + j for j in range(10)] for i in range(4)]
     alone, clock_alone = sim_engine()
