@@ -50,6 +50,12 @@ def create_app(settings: Settings | None = None) -> Flask:
             raise ApiError(401, "a valid 'Authorization: Bearer <API_KEY>' header is required", "authentication_error")
         return None
 
+    @app.after_request
+    def name_replica(response: Response) -> Response:
+        """Behind a load balancer, every response says which replica answered it."""
+        response.headers["X-Replica"] = settings.replica
+        return response
+
     @app.get("/stats")
     def stats():
         return jsonify(server_stats(srv))

@@ -1,6 +1,7 @@
 """Every setting of the server, read once from the environment and an optional `.env`."""
 
 import os
+import socket
 from dataclasses import dataclass, fields, replace
 
 from dotenv import load_dotenv
@@ -34,6 +35,7 @@ class Settings:
     seed: int = 0  # seed of random:<name> weights
     api_key: str = ""  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
     shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
+    replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -50,6 +52,14 @@ class Settings:
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
+
+    @property
+    def replica(self) -> str:
+        """This server's name behind a load balancer: REPLICA_NAME, else host:port."""
+        if self.replica_name:
+            return self.replica_name
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host  # a wildcard names no one
+        return f"{host}:{self.port}"
 
     def redacted(self) -> "Settings":
         """These settings, safe to log."""
