@@ -24,7 +24,8 @@ fi
 
 python=python3
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
-# host port block_size timeout device engine replicas_at run_dir haproxy cuda_visible_devices
+# The settings as every replica will read them (environment, then .env), and cluster.sh's own.
+host='' port='' block_size='' timeout='' device='' engine='' replicas_at='' run_dir='' haproxy='' cuda_visible_devices=''
 settings=$("$python" -m deploy.env)
 eval "$settings"
 
@@ -103,8 +104,13 @@ else
 fi
 
 # The balancer's /stats: every replica's, and the sums (deploy/stats.py).
+rm -f "$run_dir/stats.sock"
 setsid "$python" -m deploy.stats "$run_dir/stats.sock" "${addresses[@]}" &
 stats_pid=$!
+until [ -S "$run_dir/stats.sock" ]; do
+  kill -0 "$stats_pid" 2>/dev/null || die "the /stats aggregator (deploy/stats.py) exited"
+  sleep 0.1
+done
 
 config=$run_dir/haproxy.cfg
 {
@@ -123,7 +129,7 @@ haproxy_pid=$!
 
 probe=$host
 if [ "$host" = 0.0.0.0 ]; then probe=127.0.0.1; fi
-until healthy "$probe:$port"; do
+until (exec 3<>"/dev/tcp/$probe/$port") 2>/dev/null; do  # listening; the replicas may not be up yet
   kill -0 "$haproxy_pid" 2>/dev/null || die "HAProxy exited (is $host:$port free?)"
   sleep 0.2
 done

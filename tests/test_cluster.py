@@ -221,6 +221,24 @@ def test_a_dead_replica_is_routed_around_taken_out_and_put_back(tiny_checkpoint,
 
 
 @needs_haproxy
+def test_a_request_a_full_replica_refuses_is_served_by_another(tiny_checkpoint, tmp_path):
+    settings = replica_settings(tiny_checkpoint)
+    full, full_url = start_server("dynamic", tmp_path, MAX_WAITING="0", **settings)  # refuses everything: 503
+    (ok, ok_url), balancer = start_server("dynamic", tmp_path, **settings), None
+    try:
+        addresses = f"{full_url.removeprefix('http://')},{ok_url.removeprefix('http://')}"
+        balancer, url = start_cluster([], tmp_path, REPLICAS_AT=addresses, RUN_DIR=str(tmp_path))
+        assert requests.post(f"{full_url}/inference", json=ask("/inference", "Hello"), timeout=60).status_code == 503
+        prompts = [f"{words(random.Random(i), 5)} {i}" for i in range(12)]  # keyed to both replicas
+        served = {generate(url, "/inference", ask("/inference", p)).headers["X-Replica"] for p in prompts}
+        assert served == {ok_url.removeprefix("http://")}
+    finally:
+        for proc in (balancer, ok, full):
+            if proc is not None:
+                stop_server(proc)
+
+
+@needs_haproxy
 def test_sigterm_stops_the_cluster_after_its_requests_finish(tiny_checkpoint, tmp_path):
     proc, url = start_cluster(["1", "dynamic"], tmp_path, RUN_DIR=str(tmp_path), **replica_settings(tiny_checkpoint))
     port = int(url.rsplit(":", 1)[1])
@@ -238,6 +256,19 @@ def test_sigterm_stops_the_cluster_after_its_requests_finish(tiny_checkpoint, tm
     finally:
         if proc.poll() is None:
             stop_server(proc)
+
+
+@needs_haproxy
+def test_the_balancers_stats_pass_the_api_key_on(tiny_checkpoint, tmp_path):
+    settings = {**replica_settings(tiny_checkpoint), "API_KEY": "sesame"}
+    proc, url = start_cluster(["1", "dynamic"], tmp_path, RUN_DIR=str(tmp_path), **settings)  # /health is open
+    try:
+        refused = requests.get(f"{url}/stats", timeout=10)
+        stats = requests.get(f"{url}/stats", headers={"Authorization": "Bearer sesame"}, timeout=10)
+    finally:
+        stop_server(proc)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert stats.status_code == 200 and stats.json()["replicas_answering"] == 1
 
 
 def run_cluster_sh(*args: str, **settings: str) -> subprocess.CompletedProcess:
@@ -259,6 +290,18 @@ def test_cluster_sh_refuses_replicas_at_with_n_and_mode():
 def test_cluster_sh_without_haproxy_says_how_to_install_it(tmp_path):
     result = run_cluster_sh("1", "dynamic", HAPROXY=str(tmp_path / "haproxy"))
     assert result.returncode == 1 and "apt-get install haproxy" in result.stderr
+
+
+@needs_haproxy
+def test_cluster_sh_gives_each_replica_a_gpu_and_refuses_more_replicas_than_gpus(tmp_path):
+    fake = tmp_path / "nvidia-smi"  # two GPUs, as nvidia-smi lists their indices
+    fake.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    fake.chmod(0o755)
+    path = f"{tmp_path}:{os.environ['PATH']}"
+    result = run_cluster_sh("3", "dynamic", PATH=path, RUN_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 1 and "3 replicas but 2 GPUs" in result.stderr
+    limited = run_cluster_sh("2", "dynamic", PATH=path, RUN_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="5")
+    assert limited.returncode == 1 and "2 replicas but 1 GPUs" in limited.stderr  # only the GPUs it may use
 
 
 @needs_haproxy
