@@ -1,5 +1,6 @@
 """Replicas behind real HAProxy (./cluster.sh): routing by prompt prefix, and surviving a dead replica."""
 
+import contextlib
 import json
 import os
 import random
@@ -29,11 +30,19 @@ SYSTEM = "You are the keeper of a lighthouse on a rocky coast. Answer every ques
 class Cluster(NamedTuple):
     url: str  # HAProxy
     replicas: dict[str, str]  # X-Replica name -> the replica's own URL
-    run_dir: Path
+    run_dir: Path  # HAProxy's admin socket is there
 
 
 def replica_settings(tiny_checkpoint: Path) -> dict[str, str]:
     return {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "2048"}
+
+
+def fake_gpus(directory: Path, indices: list[int]) -> str:
+    """A PATH on which nvidia-smi lists these GPU indices (none of which a test machine has)."""
+    fake = directory / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n" + "".join(f"echo {i}\n" for i in indices))
+    fake.chmod(0o755)
+    return f"{directory}:{os.environ['PATH']}"
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +50,19 @@ def cluster(tiny_checkpoint, tmp_path_factory):
     if HAPROXY is None:
         pytest.skip("haproxy is not installed: apt-get install haproxy")
     run_dir = tmp_path_factory.mktemp("cluster")
-    proc, url = start_cluster(["3", "dynamic"], run_dir, RUN_DIR=str(run_dir), **replica_settings(tiny_checkpoint))
+    settings = {"RUN_DIR": str(run_dir), "PATH": fake_gpus(run_dir, [7, 8, 9]), "CUDA_VISIBLE_DEVICES": ""}
+    proc, url = start_cluster(["3", "dynamic"], run_dir, **settings, **replica_settings(tiny_checkpoint))
     port = int(url.rsplit(":", 1)[1])
     try:
         yield Cluster(url, {f"127.0.0.1:{port + i}": f"http://127.0.0.1:{port + i}" for i in (1, 2, 3)}, run_dir)
     finally:
         stop_server(proc)
+
+
+def start_replicas(log_dir: Path, *settings: dict[str, str]) -> list[tuple[subprocess.Popen, str]]:
+    """Replicas started by the test, not by cluster.sh (HAProxy is then given them in REPLICAS_AT)."""
+    with ThreadPoolExecutor(len(settings)) as pool:
+        return list(pool.map(lambda s: start_server("dynamic", log_dir, **s), settings))
 
 
 def generate(url: str, endpoint: str, body: dict | str) -> requests.Response:
@@ -70,6 +86,35 @@ def ask(endpoint: str, prompt: str, num_tokens: int = 2) -> dict:
     return {"prompt": prompt, "num_tokens" if endpoint == "/inference" else "max_tokens": num_tokens}
 
 
+def haproxy_view(run_dir: Path) -> dict[str, dict[str, str]]:
+    """HAProxy's `show stat` for the replicas backend (each server, and BACKEND), from its admin socket."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(run_dir / "haproxy.sock"))
+        sock.sendall(b"show stat\n")
+        header, *lines = b"".join(iter(lambda: sock.recv(65536), b"")).decode().splitlines()
+    rows = [dict(zip(header.removeprefix("# ").split(","), line.split(","))) for line in lines if line]
+    return {row["svname"]: row for row in rows if row["pxname"] == "replicas"}
+
+
+def poll(condition, deadline_s: float, what: str) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {deadline_s} s"
+        time.sleep(0.01)  # polling interval under a deadline
+
+
+def send_alone(cluster: Cluster, endpoint: str, body: dict | str) -> str:
+    """The replica that answers, sent when HAProxy counts no request in flight (a finished one can
+    count for a moment): every replica is then equally loaded, and the key alone decides."""
+    servers = lambda: [row for name, row in haproxy_view(cluster.run_dir).items() if name != "BACKEND"]
+    poll(lambda: all(row["scur"] == "0" for row in servers()), 10, "requests still in flight")
+    return generate(cluster.url, endpoint, body).headers["X-Replica"]
+
+
+def replica_for(cluster: Cluster, prompt: str) -> str:
+    return send_alone(cluster, "/inference", ask("/inference", prompt))
+
+
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -81,11 +126,10 @@ def test_a_shared_prefix_stays_on_one_replica_and_different_beginnings_spread(cl
     served = Counter()
 
     def send(endpoint: str, body: dict | str) -> str:
-        name = generate(cluster.url, endpoint, body).headers["X-Replica"]
+        name = send_alone(cluster, endpoint, body)
         served[name] += 1
         return name
 
-    # One at a time, so that no replica is loaded more than another and the key alone decides.
     # /inference and /v1/completions both carry "prompt", and share the key.
     text = {send(endpoint, ask(endpoint, f"{SYSTEM} {words(rng, 8)}?")) for endpoint in ENDPOINTS * 4}
     prefix_ids = TOKENIZER.encode(SYSTEM)
@@ -118,6 +162,34 @@ def test_a_hot_prefix_spills_over_to_other_replicas(cluster):
     with ThreadPoolExecutor(48) as pool:
         served = Counter(pool.map(send, prompts))
     assert len(served) >= 2 and max(served.values()) <= 36, served
+
+
+@needs_haproxy
+def test_removing_a_replica_moves_only_its_prefixes(cluster, tmp_path):
+    """Consistent hashing: a balancer without one replica sends every other prefix where it went before."""
+    kept = sorted(cluster.replicas)[:2]
+    proc, url = start_cluster([], tmp_path, REPLICAS_AT=",".join(kept), RUN_DIR=str(tmp_path))
+    smaller = Cluster(url, {name: cluster.replicas[name] for name in kept}, tmp_path)
+    try:
+        rng = random.Random(11)
+        prompts = [f"{words(rng, 6).capitalize()} {i}" for i in range(30)]
+        answered = [(replica_for(cluster, p), replica_for(smaller, p)) for p in prompts]
+    finally:
+        stop_server(proc)
+    moved = [(before, after) for before, after in answered if before != after]
+    assert moved and all(before not in kept for before, _ in moved), answered
+
+
+@needs_haproxy
+def test_each_replica_gets_its_own_gpu(cluster):
+    """Replica i sees GPU i alone: its environment, as Linux shows it in /proc."""
+    gpus = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):  # processes come and go
+            env = dict(v.split("=", 1) for v in environ.read_bytes().decode(errors="replace").split("\0") if "=" in v)
+            if env.get("REPLICA_NAME") in cluster.replicas:
+                gpus.setdefault(env["REPLICA_NAME"], set()).add(env.get("CUDA_VISIBLE_DEVICES"))
+    assert gpus == {name: {gpu} for name, gpu in zip(sorted(cluster.replicas), ["7", "8", "9"])}
 
 
 @needs_haproxy
@@ -174,46 +246,27 @@ def test_the_benchmark_runs_against_the_cluster(cluster, tmp_path):
     assert run["summary"]["requests_ok"] == 6 and set(run["server_stats"]["replicas"]) == set(cluster.replicas)
 
 
-def haproxy_status(run_dir: Path, server: str) -> str:
-    """The replica's state as HAProxy sees it ("UP", "DOWN", ...), from its admin socket."""
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(str(run_dir / "haproxy.sock"))
-        sock.sendall(b"show stat\n")
-        header, *lines = b"".join(iter(lambda: sock.recv(65536), b"")).decode().splitlines()
-    rows = [dict(zip(header.removeprefix("# ").split(","), line.split(","))) for line in lines if line]
-    (row,) = [r for r in rows if r["pxname"] == "replicas" and r["svname"] == server]
-    return row["status"]
-
-
-def poll(condition, deadline_s: float, what: str) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {deadline_s} s"
-        time.sleep(0.1)  # polling interval under a deadline
-
-
 @needs_haproxy
 def test_a_dead_replica_is_routed_around_taken_out_and_put_back(tiny_checkpoint, tmp_path):
     """REPLICAS_AT: HAProxy in front of replicas started elsewhere (here: by the test, to kill one)."""
     settings = replica_settings(tiny_checkpoint)
-    with ThreadPoolExecutor(2) as pool:
-        started = list(pool.map(lambda _: start_server("dynamic", tmp_path, **settings), range(2)))
-    (doomed, doomed_url), (survivor, survivor_url) = started
+    (doomed, doomed_url), (survivor, survivor_url) = start_replicas(tmp_path, settings, settings)
     victim, other = doomed_url.removeprefix("http://"), survivor_url.removeprefix("http://")
     balancer = None
     try:
         balancer, url = start_cluster([], tmp_path, REPLICAS_AT=f"{victim},{other}", RUN_DIR=str(tmp_path))
-        answered_by = lambda prompt: generate(url, "/inference", ask("/inference", prompt)).headers["X-Replica"]
-        prompt = next(p for p in (f"Prompt number {i} for the test" for i in range(100)) if answered_by(p) == victim)
+        pair = Cluster(url, {victim: doomed_url, other: survivor_url}, tmp_path)
+        prompt = next(p for p in (f"Prompt number {i}, keyed" for i in range(100)) if replica_for(pair, p) == victim)
+        status = lambda: haproxy_view(tmp_path)[victim]["status"]
 
         os.killpg(doomed.pid, signal.SIGKILL)  # its port closes at once; HAProxy has not checked yet
         doomed.wait()
-        assert [answered_by(prompt) for _ in range(5)] == [other] * 5  # refused, then sent to the other
-        poll(lambda: haproxy_status(tmp_path, victim).startswith("DOWN"), 10, "not taken out")
+        assert [replica_for(pair, prompt) for _ in range(5)] == [other] * 5  # refused, then sent to the other
+        poll(lambda: status().startswith("DOWN"), 10, "not taken out")
 
         doomed, _ = start_server("dynamic", tmp_path, port=int(victim.rsplit(":", 1)[1]), **settings)
-        poll(lambda: haproxy_status(tmp_path, victim).startswith("UP"), 10, "not put back")
-        assert answered_by(prompt) == victim  # its keys come back to it
+        poll(lambda: status().startswith("UP"), 10, "not put back")
+        assert replica_for(pair, prompt) == victim  # its keys come back to it
     finally:
         for proc in (balancer, doomed, survivor):
             if proc is not None and proc.poll() is None:
@@ -223,8 +276,8 @@ def test_a_dead_replica_is_routed_around_taken_out_and_put_back(tiny_checkpoint,
 @needs_haproxy
 def test_a_request_a_full_replica_refuses_is_served_by_another(tiny_checkpoint, tmp_path):
     settings = replica_settings(tiny_checkpoint)
-    full, full_url = start_server("dynamic", tmp_path, MAX_WAITING="0", **settings)  # refuses everything: 503
-    (ok, ok_url), balancer = start_server("dynamic", tmp_path, **settings), None
+    (full, full_url), (ok, ok_url) = start_replicas(tmp_path, {**settings, "MAX_WAITING": "0"}, settings)
+    balancer = None  # the full one refuses everything: 503
     try:
         addresses = f"{full_url.removeprefix('http://')},{ok_url.removeprefix('http://')}"
         balancer, url = start_cluster([], tmp_path, REPLICAS_AT=addresses, RUN_DIR=str(tmp_path))
@@ -293,11 +346,8 @@ def test_cluster_sh_without_haproxy_says_how_to_install_it(tmp_path):
 
 
 @needs_haproxy
-def test_cluster_sh_gives_each_replica_a_gpu_and_refuses_more_replicas_than_gpus(tmp_path):
-    fake = tmp_path / "nvidia-smi"  # two GPUs, as nvidia-smi lists their indices
-    fake.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
-    fake.chmod(0o755)
-    path = f"{tmp_path}:{os.environ['PATH']}"
+def test_cluster_sh_refuses_more_replicas_than_gpus(tmp_path):
+    path = fake_gpus(tmp_path, [0, 1])
     result = run_cluster_sh("3", "dynamic", PATH=path, RUN_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="")
     assert result.returncode == 1 and "3 replicas but 2 GPUs" in result.stderr
     limited = run_cluster_sh("2", "dynamic", PATH=path, RUN_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="5")
