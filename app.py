@@ -60,6 +60,12 @@ def create_app(settings: Settings | None = None) -> Flask:
         if request.method == "POST" and request.routing_exception is None:  # a 404 or 405 stays one
             require_json(request.is_json, request.content_type)
 
+    @app.after_request
+    def name_replica(response: Response) -> Response:
+        """Behind a load balancer, every response says which replica answered it."""
+        response.headers["X-Replica"] = settings.replica
+        return response
+
     @app.get("/stats")
     def stats():
         return jsonify(server_stats(srv))

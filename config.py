@@ -1,6 +1,7 @@
 """Every setting of the server, read once from the environment and an optional `.env`."""
 
 import os
+import socket
 from dataclasses import dataclass, fields, replace
 
 from dotenv import load_dotenv
@@ -39,6 +40,7 @@ class Settings:
     cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
     chat_template: str = ""  # /v1/chat/completions: a template file (api/chat_template.toml's shape); empty: that one
+    replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,6 +81,14 @@ class Settings:
     def max_running(self, on_gpu: bool, max_context: int) -> int:
         """Sequences that may run at once: each decodes a token every step, so no more than the budget holds."""
         return min(self.max_batch_size, self.batch_token_budget(on_gpu, max_context))
+
+    @property
+    def replica(self) -> str:
+        """This server's name behind a load balancer: REPLICA_NAME, else host:port."""
+        if self.replica_name:
+            return self.replica_name
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host  # a wildcard names no one
+        return f"{host}:{self.port}"
 
     def redacted(self) -> "Settings":
         """These settings, safe to log."""

@@ -16,8 +16,12 @@ bind = f"{settings.host}:{settings.port}"
 workers = 1  # one model, one KV cache, one batching loop
 worker_class = "gthread"
 # Every request in flight holds a thread while it waits on its event: too few threads
-# would silently cap the batch, so there is one for each running and waiting request.
-threads = max(256, settings.max_batch_size + settings.max_waiting)
+# would silently cap the batch, so there is one for each request the server admits (running
+# and waiting). The spare ones can never all be held by generations: with every admitted
+# request in flight, /health (a load balancer's check), /stats and the quick 503 of a request
+# beyond MAX_WAITING still find a thread instead of queueing behind generations for minutes.
+SPARE_THREADS = 32
+threads = max(256, settings.max_batch_size + settings.max_waiting + SPARE_THREADS)
 worker_connections = threads + 64
 timeout = 600  # the worker loads the model before it answers gunicorn's heartbeat
 graceful_timeout = int(settings.shutdown_grace_s) + 10  # the app answers stragglers first

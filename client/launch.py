@@ -1,4 +1,4 @@
-"""Start the real ./server.sh (gunicorn) on a free port and wait for /health, with a deadline."""
+"""Start the real ./server.sh (gunicorn), or ./cluster.sh, on a free port and wait for /health, with a deadline."""
 
 import contextlib
 import os
@@ -16,10 +16,23 @@ ROOT = Path(__file__).resolve().parent.parent
 HEALTH_DEADLINE_S = 300
 
 
-def free_port() -> int:
+def free_port(following: int = 0) -> int:
+    """A free port, and `following` free ports after it (a cluster's replicas listen there)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + following <= 65535 and all(_is_free(port + i) for i in range(1, following + 1)):
+            return port
+
+
+def _is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def server_env(**settings: str) -> dict[str, str]:
@@ -43,13 +56,22 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, deadline_s: float 
     raise TimeoutError(f"server not healthy within {deadline_s} s:\n{log.read_text()[-3000:]}")
 
 
-def start_server(mode: str, log_dir: Path, **settings: str) -> tuple[subprocess.Popen, str]:
-    """./server.sh MODE on a free port, healthy; its process (a session leader) and its URL."""
-    port = free_port()
-    log = log_dir / f"server-{mode}-{port}.log"
+def start_server(mode: str, log_dir: Path, port: int | None = None, **settings: str) -> tuple[subprocess.Popen, str]:
+    """./server.sh MODE on `port` (default: a free one), healthy; its process (a session leader) and its URL."""
+    port = port or free_port()
+    return _start([str(ROOT / "server.sh"), mode], log_dir / f"server-{mode}-{port}.log", port, **settings)
+
+
+def start_cluster(args: list[str], log_dir: Path, **settings: str) -> tuple[subprocess.Popen, str]:
+    """./cluster.sh ARGS (N MODE, or none with REPLICAS_AT) on a free port, healthy through HAProxy."""
+    port = free_port(following=int(args[0]) if args else 0)
+    return _start([str(ROOT / "cluster.sh"), *args], log_dir / f"cluster-{port}.log", port, **settings)
+
+
+def _start(command: list[str], log: Path, port: int, **settings: str) -> tuple[subprocess.Popen, str]:
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [str(ROOT / "server.sh"), mode],
+            command,
             cwd=ROOT,
             env=server_env(PORT=str(port), **settings),
             stdout=out,

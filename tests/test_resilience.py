@@ -178,3 +178,49 @@ def test_sigterm_under_load_exits_in_grace_and_leaves_no_client_hanging(tiny_che
     finally:
         if proc.poll() is None:
             stop_server(proc)
+
+
+def in_flight(url: str) -> int:
+    stats = requests.get(f"{url}/stats", timeout=10).json()
+    return stats["requests_running"] + stats["requests_waiting"]
+
+
+def test_health_answers_within_a_second_with_every_admitted_request_in_flight(tiny_checkpoint, tmp_path):
+    """A load balancer takes out a replica whose /health is slow: a busy replica must answer it at once.
+
+    64 running and 192 waiting requests are all the server admits; 44 more clients are beyond
+    MAX_WAITING and must be refused at once, not queue for a thread (where /health would queue too).
+    """
+    clients, admitted = 300, 64 + 192
+    env = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "8192", "MAX_BATCH_SIZE": "64", "MAX_WAITING": "192"}
+    proc, url = start_server("dynamic", tmp_path, SHUTDOWN_GRACE_S="1", **env)
+    try:
+
+        def one(i: int) -> str:
+            try:
+                body = {"prompt": f"request {i}", "num_tokens": 900, "temperature": 0}
+                return str(requests.post(f"{url}/inference", json=body, timeout=120).status_code)
+            except requests.ConnectionError:
+                return "closed"
+
+        with ThreadPoolExecutor(clients) as pool:
+            futures = [pool.submit(one, i) for i in range(clients)]
+            refused = lambda: sum(f.done() and f.result() == "503" for f in futures)
+            deadline = time.monotonic() + 60
+            while in_flight(url) < admitted or refused() < clients - admitted:
+                assert time.monotonic() < deadline, f"{in_flight(url)} in flight, {refused()} refused"
+                time.sleep(0.05)  # polling interval under a deadline
+            latencies = []
+            for _ in range(5):  # spread over the load: a few engine steps apart
+                steps = requests.get(f"{url}/stats", timeout=10).json()["steps"]
+                sent = time.monotonic()
+                assert requests.get(f"{url}/health", timeout=10).status_code == 200
+                latencies.append(time.monotonic() - sent)
+                while requests.get(f"{url}/stats", timeout=10).json()["steps"] < steps + 3:
+                    time.sleep(0.01)  # polling interval; the request timeouts bound it
+            assert in_flight(url) == admitted  # the load lasted the whole measurement
+            stop_server(proc)  # its graceful shutdown answers the rest
+        assert max(latencies) < 1.0, latencies
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)

@@ -139,6 +139,19 @@ def test_oversized_unknown_and_wrong_method_get_json_errors(dynamic):
     assert requests.get(f"{dynamic}/health", timeout=10).status_code == 200
 
 
+def test_every_response_names_its_replica(dynamic):
+    """Behind a balancer the X-Replica header says who answered: by default the server's host:port."""
+    name = dynamic.removeprefix("http://")
+    responses = [
+        post(dynamic, {"prompt": "who answers", "num_tokens": 2}),
+        post(dynamic, {"prompt": "", "num_tokens": 2}),
+        requests.get(f"{dynamic}/nowhere", timeout=10),
+        requests.get(f"{dynamic}/health", timeout=10),
+    ]
+    assert [r.status_code for r in responses] == [200, 400, 404, 200]
+    assert all(r.headers["X-Replica"] == name for r in responses)
+
+
 def test_server_sh_refuses_an_unknown_mode():
     result = subprocess.run([str(ROOT / "server.sh"), "turbo"], capture_output=True, text=True, timeout=30)
     assert result.returncode != 0 and "usage" in result.stderr

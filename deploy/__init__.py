@@ -1,0 +1,1 @@
+"""Running replicas behind HAProxy: its configuration, and the helpers cluster.sh runs."""

@@ -1,0 +1,100 @@
+"""GET /stats for a cluster: every replica's /stats under its name, and the counts summed.
+
+HAProxy sends the balancer's /stats here (deploy/haproxy.cfg) over a Unix socket in the
+cluster's run directory, so that no replica's numbers pass for the cluster's. Started by
+cluster.sh:  python -m deploy.stats SOCKET HOST:PORT [HOST:PORT ...]
+"""
+
+import json
+import socketserver
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import requests
+
+# Counts add up over replicas; latencies, rates and hit ratios do not, and stay per replica.
+SUMMED = (
+    "requests_completed",
+    "requests_failed",
+    "requests_running",
+    "requests_waiting",
+    "tokens_generated",
+    "prompt_tokens",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "kv_blocks_cached",
+    "kv_blocks_evictable",
+    "evictions",
+    "preemptions",
+    "steps",
+)
+TIMEOUT_S = 5.0
+
+
+def fetch(address: str, headers: dict[str, str]) -> tuple[str, int, dict[str, Any]]:
+    """One replica's name (its X-Replica header, else its address), HTTP status and /stats or error."""
+    try:
+        response = requests.get(f"http://{address}/stats", headers=headers, timeout=TIMEOUT_S)
+        body = response.json()
+    except (requests.RequestException, ValueError) as exc:
+        return address, 503, {"address": address, "error": f"no /stats from {address}: {exc}"}
+    return response.headers.get("X-Replica", address), response.status_code, {"address": address, **body}
+
+
+def aggregate(addresses: list[str], headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    """The cluster's status code and /stats: the sums over the replicas that answered, and each one's."""
+    with ThreadPoolExecutor(len(addresses)) as pool:
+        results = list(pool.map(lambda address: fetch(address, headers), addresses))
+    for _, status, body in results:
+        if status == 401:  # a missing or wrong API key is the client's error, as one replica says it
+            return 401, {"error": body["error"]}
+    answered = [body for _, status, body in results if status == 200]
+    same = {key: answered[0][key] for key in ("mode", "model") if answered and len({b[key] for b in answered}) == 1}
+    return 200, {
+        **same,
+        **{key: sum(body.get(key, 0) for body in answered) for key in SUMMED},
+        "replicas_answering": len(answered),
+        "replicas": {name: body for name, _, body in results},
+    }
+
+
+class StatsHandler(BaseHTTPRequestHandler):
+    server: "StatsServer"
+
+    def do_GET(self) -> None:
+        if self.path.partition("?")[0] != "/stats":
+            status, body = 404, {"error": {"message": "only /stats", "type": "not_found", "param": None, "code": 404}}
+        else:
+            auth = self.headers.get("Authorization")
+            status, body = aggregate(self.server.addresses, {"Authorization": auth} if auth else {})
+        payload = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: HAProxy sees every request, and a Unix socket has no client address to log."""
+
+
+class StatsServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, socket_path: Path, addresses: list[str]):
+        socket_path.unlink(missing_ok=True)  # left by a cluster that was killed
+        super().__init__(str(socket_path), StatsHandler)
+        self.addresses = addresses
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        sys.exit("usage: python -m deploy.stats SOCKET HOST:PORT [HOST:PORT ...]")
+    StatsServer(Path(argv[0]), argv[1:]).serve_forever()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
