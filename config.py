@@ -36,6 +36,8 @@ class Settings:
     api_key: str = ""  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
     shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
+    request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)
+    timeline_window_s: float = 30.0  # /stats/timeline's latency and throughput: over this many recent seconds
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,8 +50,10 @@ class Settings:
             raise ValueError(f"SIM_NUM_GPUS must be at least 1, got {self.sim_num_gpus}")
         if self.max_batch_tokens < 0:
             raise ValueError(f"MAX_BATCH_TOKENS must be at least 1 (or 0 for the default), got {self.max_batch_tokens}")
-        if self.step_log_size < 1:
-            raise ValueError(f"STEP_LOG_SIZE must be at least 1, got {self.step_log_size}")
+        if self.step_log_size < 1 or self.request_event_log_size < 1:
+            raise ValueError("STEP_LOG_SIZE and REQUEST_EVENT_LOG_SIZE must be at least 1")
+        if self.timeline_window_s <= 0:
+            raise ValueError(f"TIMELINE_WINDOW_S must be positive, got {self.timeline_window_s}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_batch_size < 1:
