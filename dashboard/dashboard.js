@@ -105,7 +105,6 @@
       waiting: live.requests_waiting,
       used: live.kv_blocks_used,
       cached: live.kv_blocks_cached,
-      free: live.kv_blocks_free,
       hitRate: live.prefix_cache_hit_rate,
       tps: window.output_tokens_per_s,
       ttft50: window.ttft_s.p50,
@@ -394,17 +393,20 @@
     );
   }
 
+  // Scaled to what is in use, not to the pool: a big pool would flatten the lines. Free blocks are
+  // the pool less the used ones, so they are a number, not a line.
   function drawKv() {
-    timeChart(
+    const { c } = timeChart(
       "kv-chart",
       [
         [overTime((s) => s.kv_blocks_used, (s) => s.used), "used", true],
         [overTime((s) => s.kv_blocks_cached, (s) => s.cached), "cached"],
-        [overTime((s) => s.kv_blocks_free, (s) => s.free), "free"],
       ],
       fmtNumber,
       true,
     );
+    const { kv_blocks_free: free, kv_blocks_total: total } = state.data.live;
+    add(c.svg, "text", { x: c.x1, y: c.y0 + 10, "text-anchor": "end" }, `free now: ${free} of ${total}`);
   }
 
   function drawCache() {
