@@ -33,7 +33,7 @@ class Settings:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 1 << 20
     seed: int = 0  # seed of random:<name> weights
-    api_key: str = ""  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
+    api_key: str = ""  # when set, every endpoint but /health and the dashboard page needs "Authorization: Bearer <key>"
     shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
     request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)

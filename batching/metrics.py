@@ -85,11 +85,11 @@ def _recent_steps(summary: StepSummary) -> Iterator[Metric]:
         "Of the recent steps, those that computed a prompt chunk",
         value=summary.steps_with_prefill,
     )
-    time = GaugeMetricFamily("gpt2_recent_step_seconds", "Step time over the recent steps", labels=["stat"])
+    step_time = GaugeMetricFamily("gpt2_recent_step_seconds", "Step time over the recent steps", labels=["stat"])
     for stat, seconds in summary.step_time_s.items():
         if seconds is not None:
-            time.add_metric([stat], seconds)
-    yield time
+            step_time.add_metric([stat], seconds)
+    yield step_time
     stages = GaugeMetricFamily(
         "gpt2_recent_step_stage_seconds", "Mean seconds per recent step spent in each stage", labels=["stage"]
     )

@@ -396,7 +396,7 @@
   // Scaled to what is in use, not to the pool: a big pool would flatten the lines. Free blocks are
   // the pool less the used ones, so they are a number, not a line.
   function drawKv() {
-    const { c } = timeChart(
+    timeChart(
       "kv-chart",
       [
         [overTime((s) => s.kv_blocks_used, (s) => s.used), "used", true],
@@ -406,7 +406,7 @@
       true,
     );
     const { kv_blocks_free: free, kv_blocks_total: total } = state.data.live;
-    add(c.svg, "text", { x: c.x1, y: c.y0 + 10, "text-anchor": "end" }, `free now: ${free} of ${total}`);
+    document.getElementById("kv-free").textContent = `free now: ${free} of ${total}`;
   }
 
   function drawCache() {
