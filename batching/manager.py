@@ -195,14 +195,10 @@ class BatchingManager:
         now = time.monotonic()
         for seq, token in results:
             inf = self._active[seq.seq_id]
-            if inf.phase == "waiting":  # as of the step's start, before its token (if any) was appended
-                self._record(
-                    inf, "prefill", at=step.started_at, generated=len(seq.completion_ids) - (token is not None)
-                )
+            if inf.phase != "decoding":  # one check per sequence and step: most are decoding
+                self._record_prefill(inf, token, step)
             if token is None:  # a prompt chunk short of the prompt's end: nothing to deliver yet
                 continue
-            if inf.phase == "prefill":  # the token that ends a prefill (or a recomputation)
-                self._record(inf, "decoding")
             if inf.first_token_at is None:
                 inf.first_token_at = now
             if inf.text is not None:
@@ -212,6 +208,13 @@ class BatchingManager:
                     self.engine.abort(seq)
                 del self._active[seq.seq_id]
                 self._answer(inf)
+
+    def _record_prefill(self, inf: Inference, token: int | None, step: StepRecord) -> None:
+        """The step that first schedules a waiting request starts its prefill; its first token ends it."""
+        if inf.phase == "waiting":  # as of the step's start, before its token (if any) was appended
+            self._record(inf, "prefill", at=step.started_at, generated=len(inf.generated_ids) - (token is not None))
+        if token is not None:  # the token that ends a prefill (or a recomputation after a preemption)
+            self._record(inf, "decoding")
 
     @staticmethod
     def _emit_text(inf: Inference, token: int) -> None:
