@@ -6,11 +6,12 @@ import logging
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import chat, openai, simple, tokenize
+from api import chat, dashboard, openai, simple, tokenize
 from api.chat_template import ChatTemplate
 from api.json_body import StrictJSONProvider, require_json
 from api.serving import Server
 from api.validation import ApiError
+from batching.live import server_stats
 from batching.manager import BatchingManager
 from config import Settings
 from generate.engine import Engine
@@ -19,7 +20,9 @@ from sim.engine import simulated_engine
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health",)  # reachable without the API key, for load balancers
+# Reachable without the API key: /health for load balancers; the dashboard page, which holds no
+# data (its data, /stats/timeline, needs the key).
+OPEN_PATHS = ("/health", *dashboard.PAGE_PATHS)
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -34,8 +37,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app = Flask(__name__)
     app.json = StrictJSONProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.extensions["server"] = srv = Server(settings, engine, manager, load_tokenizer(), template)
-    for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes):
+    app.extensions["server"] = Server(settings, engine, manager, load_tokenizer(), template)
+    for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes, dashboard.routes):
         app.register_blueprint(blueprint)
 
     @app.errorhandler(ApiError)
@@ -68,7 +71,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.get("/stats")
     def stats():
-        return jsonify(server_stats(srv))
+        return jsonify(server_stats(manager))
 
     @app.get("/metrics")
     def metrics():
@@ -91,25 +94,3 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify(status="ready")
 
     return app
-
-
-def server_stats(srv: Server) -> dict:
-    blocks, scheduler, manager = srv.engine.blocks, srv.engine.scheduler, srv.manager
-    admitted = scheduler.prompt_tokens_admitted
-    return {
-        "mode": srv.settings.mode,
-        "model": srv.engine.model_name,
-        "requests_running": manager.num_running(),
-        "requests_waiting": manager.num_waiting(),
-        "kv_blocks_used": blocks.num_used_blocks,
-        "kv_blocks_total": blocks.num_blocks,
-        "kv_blocks_cached": blocks.num_cached_blocks,
-        "kv_blocks_evictable": blocks.num_evictable_blocks,
-        "prefix_cache": srv.settings.prefix_cache,
-        "prefix_cache_hit_rate": scheduler.prompt_tokens_cached / admitted if admitted else 0.0,
-        "evictions": blocks.evictions,
-        "preemptions": scheduler.num_preemptions,
-        "kv_cache_integrity": manager.cache_problem or "ok",
-        "steps": srv.engine.num_steps,
-        **manager.stats.snapshot(),
-    }

@@ -34,13 +34,15 @@ class Settings:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 1 << 20
     seed: int = 0  # seed of random:<name> weights
-    api_key: str = ""  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
+    api_key: str = ""  # when set, every endpoint but /health and the dashboard page needs "Authorization: Bearer <key>"
     shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
     attention_backend: str = "auto"  # auto: triton on CUDA when installed, else reference
     cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
     chat_template: str = ""  # /v1/chat/completions: a template file (api/chat_template.toml's shape); empty: that one
     replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
+    request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)
+    timeline_window_s: float = 30.0  # /stats/timeline's latency and throughput: over this many recent seconds
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -57,8 +59,10 @@ class Settings:
             raise ValueError(f"ATTENTION_BACKEND must be auto, reference or triton, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off"):
             raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
-        if self.step_log_size < 1:
-            raise ValueError(f"STEP_LOG_SIZE must be at least 1, got {self.step_log_size}")
+        if self.step_log_size < 1 or self.request_event_log_size < 1:
+            raise ValueError("STEP_LOG_SIZE and REQUEST_EVENT_LOG_SIZE must be at least 1")
+        if self.timeline_window_s <= 0:
+            raise ValueError(f"TIMELINE_WINDOW_S must be positive, got {self.timeline_window_s}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_batch_size < 1:

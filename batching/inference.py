@@ -37,6 +37,9 @@ class Inference:
     first_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
+    # the loop thread's view, for request events: the phase it last recorded, preemptions seen
+    phase: str = "waiting"
+    preemptions_seen: int = 0
 
     def __post_init__(self, fork_of: "Inference | None") -> None:
         leader = fork_of.seq if fork_of is not None else None
@@ -59,9 +62,12 @@ class Inference:
         return None if self.finished_at is None else self.finished_at - self.arrival
 
     def finish(self, error: str | None = None) -> None:
-        assert not self.done.is_set(), "an inference is answered exactly once"
+        """Record that it ended, and when; `answer()` then wakes the request thread."""
+        assert self.finished_at is None, "an inference finishes exactly once"
         self.error = error
         self.finished_at = time.monotonic()
+
+    def answer(self) -> None:
         self.done.set()
         if self.chunks is not None:
             self.chunks.put(self)

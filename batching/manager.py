@@ -17,12 +17,15 @@ import time
 from collections import deque
 from itertools import accumulate
 
+from batching.events import PHASE_AFTER, EventLog
 from batching.inference import Delta, Inference
 from batching.metrics import ServerMetrics
 from batching.stats import Stats
+from batching.step_summary import StepSummary, summarize
 from config import Settings
 from generate.engine import Engine, StepResult
 from generate.sequence import Status
+from generate.step_log import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,12 @@ class BatchingManager:
         self.engine, self.settings, self.mode = engine, settings, settings.mode
         self.stats = Stats()
         self.metrics = ServerMetrics(self)
+        self.events = EventLog(settings.request_event_log_size)
+        self.started_at = time.time()  # Unix time, for rates over windows that reach back past the start
+        # The last step whose record is final (delivery charged): readers of the step log stop
+        # there, since the loop still fills in the record of the step it is running.
+        self.steps_done = 0
+        self._preemptions_seen = 0  # the scheduler's count when the loop last looked; loop thread only
         self.failure: str | None = None
         self._stop_at: float | None = None  # set by shut_down()
         self.cache_problem: str | None = None  # from the last idle-time integrity check
@@ -73,6 +82,8 @@ class BatchingManager:
                 raise QueueFull(f"{self.settings.max_waiting} requests are already waiting")
             self._incoming.append(infs)
             self._num_incoming += len(infs)
+            for inf in infs:
+                self._record(inf, "arrived")
             self._cond.notify()
         return infs
 
@@ -87,6 +98,14 @@ class BatchingManager:
 
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
+
+    def finished_steps(self) -> list[StepRecord]:
+        """Kept step records whose figures are final (not the running step's), oldest first."""
+        done = self.steps_done  # read first: records up to here are no longer written
+        return [r for r in self.engine.step_log.since(0) if r.index <= done]
+
+    def step_summary(self) -> StepSummary:
+        return summarize(self.finished_steps())
 
     # --- the loop thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -175,24 +194,46 @@ class BatchingManager:
         if not results:
             return
         started = time.perf_counter()
-        self._deliver(results)
-        self.engine.step_log.last.add_stage("deliver", time.perf_counter() - started)
+        step = self.engine.step_log.last
+        if self.engine.scheduler.num_preemptions != self._preemptions_seen:
+            self._record_preemptions(step)
+        self._deliver(results, step)
+        step.num_queued = self._num_incoming  # nobatch and static keep requests here while a batch runs
+        step.add_stage("deliver", time.perf_counter() - started)
+        self.steps_done = step.index
 
-    def _deliver(self, results: list[StepResult]) -> None:
+    def _record_preemptions(self, step: StepRecord) -> None:
+        """Preempted sequences went back to the queue while this step was scheduled."""
+        self._preemptions_seen = self.engine.scheduler.num_preemptions
+        for inf in self._active.values():
+            if inf.seq.num_preemptions != inf.preemptions_seen:
+                inf.preemptions_seen = inf.seq.num_preemptions
+                self._record(inf, "preempted", at=step.started_at)
+
+    def _deliver(self, results: list[StepResult], step: StepRecord) -> None:
         """Hand each step's news to the request threads. Sequences end in the engine (Sequence.append
         decides, stop strings included); here they are only answered."""
         now = time.monotonic()
         for seq, token in results:
+            inf = self._active[seq.seq_id]
+            if inf.phase != "decoding":  # one check per sequence and step: most are decoding
+                self._record_prefill(inf, token, step)
             finished = seq.status is Status.FINISHED
             if token is None and not finished:  # a prompt chunk short of the prompt's end
                 continue
-            inf = self._active[seq.seq_id]
             if inf.first_token_at is None:
                 inf.first_token_at = now  # for a prompt-only inference: its prompt's log-probabilities
             self._emit(inf, finished)
             if finished:
                 del self._active[seq.seq_id]
                 self._answer(inf)
+
+    def _record_prefill(self, inf: Inference, token: int | None, step: StepRecord) -> None:
+        """The step that first schedules a waiting request starts its prefill; its first token ends it."""
+        if inf.phase == "waiting":  # as of the step's start, before its token (if any) was appended
+            self._record(inf, "prefill", at=step.started_at, generated=len(inf.generated_ids) - (token is not None))
+        if token is not None:  # the token that ends a prefill (or a recomputation after a preemption)
+            self._record(inf, "decoding")
 
     @staticmethod
     def _emit(inf: Inference, finished: bool) -> None:
@@ -209,6 +250,19 @@ class BatchingManager:
         inf.finish(error)
         self.stats.record(inf)
         self.metrics.observe(inf)
+        if error is None:
+            self._record(inf, "finished", ttft_s=inf.ttft_s, latency_s=inf.latency_s)
+        else:
+            self._record(inf, "cancelled" if error == "cancelled" else "failed")
+        inf.answer()  # last: whoever the answer reaches finds the request counted everywhere
+
+    def _record(
+        self, inf: Inference, kind: str, at: float | None = None, generated: int | None = None, **ending: float | None
+    ) -> None:
+        """A request event (now, unless `at`); `inf.phase` follows it (the loop's view of the request)."""
+        generated = len(inf.generated_ids) if generated is None else generated
+        self.events.record(inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, **ending)
+        inf.phase = PHASE_AFTER[kind] or kind
 
     def _fail_everything(self, reason: str) -> None:
         with self._cond:

@@ -1,7 +1,8 @@
 """GET /metrics: Prometheus counters and histograms of answered requests, and live gauges.
 
 Each server gets its own registry, so several apps in one process (tests) never clash.
-Values owned by the engine (KV blocks, prefix hits, preemptions) are read at scrape time.
+Values owned by the engine (KV blocks, prefix hits, preemptions, steps) are read at scrape time
+from the same table as /stats (batching.live).
 """
 
 from collections.abc import Iterator
@@ -12,6 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from batching.inference import Inference
+from batching.live import LIVE_VALUES
+from batching.step_summary import StepSummary
 
 if TYPE_CHECKING:
     from batching.manager import BatchingManager
@@ -57,26 +60,40 @@ class ServerMetrics:
 
 
 class _LiveValues(Collector):
+    """The live values table (batching.live) and the recent steps' figures, read at scrape time."""
+
     def __init__(self, manager: "BatchingManager") -> None:
         self.manager = manager
 
     def collect(self) -> Iterator[Metric]:
-        manager = self.manager
-        blocks, scheduler = manager.engine.blocks, manager.engine.scheduler
-        gauges = {
-            "gpt2_requests_running": ("Sequences in the running batch", manager.num_running()),
-            "gpt2_requests_waiting": ("Requests waiting to be admitted", manager.num_waiting()),
-            "gpt2_kv_blocks_used": ("KV blocks referenced by sequences", blocks.num_used_blocks),
-            "gpt2_kv_blocks_total": ("KV blocks in the pool", blocks.num_blocks),
-            "gpt2_kv_blocks_cached": ("KV blocks held by the prefix cache", blocks.num_cached_blocks),
-        }
-        counters = {
-            "gpt2_prefix_cache_hit_tokens": ("Prompt tokens found in the prefix cache", scheduler.prompt_tokens_cached),
-            "gpt2_prefix_cache_query_tokens": ("Prompt tokens admitted", scheduler.prompt_tokens_admitted),
-            "gpt2_preemptions": ("Sequences preempted for memory", scheduler.num_preemptions),
-            "gpt2_kv_evictions": ("Cached KV blocks evicted", blocks.evictions),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+        for value in LIVE_VALUES:
+            if value.metric:
+                family = GaugeMetricFamily if value.kind == "gauge" else CounterMetricFamily
+                yield family(value.metric, value.help, value=value.read(self.manager))
+        yield from _recent_steps(self.manager.step_summary())
+
+
+def _recent_steps(summary: StepSummary) -> Iterator[Metric]:
+    """Gauges over the kept step records: a step-time histogram would cost the loop an observation per step."""
+    yield GaugeMetricFamily(
+        "gpt2_recent_steps",
+        "Steps kept in the step log, which the gpt2_recent_step_* gauges summarise",
+        value=summary.steps,
+    )
+    yield GaugeMetricFamily(
+        "gpt2_recent_steps_with_prefill",
+        "Of the recent steps, those that computed a prompt chunk",
+        value=summary.steps_with_prefill,
+    )
+    step_time = GaugeMetricFamily("gpt2_recent_step_seconds", "Step time over the recent steps", labels=["stat"])
+    for stat, seconds in summary.step_time_s.items():
+        if seconds is not None:
+            step_time.add_metric([stat], seconds)
+    yield step_time
+    stages = GaugeMetricFamily(
+        "gpt2_recent_step_stage_seconds", "Mean seconds per recent step spent in each stage", labels=["stage"]
+    )
+    for stage, seconds in summary.stage_time_s.items():
+        if seconds is not None:
+            stages.add_metric([stage], seconds)
+    yield stages

@@ -38,13 +38,14 @@ class StepRecord:
     num_prefill_tokens: int  # prompt tokens computed
     num_sampled: int  # sequences that got a next token
     num_running: int  # after scheduling: admitted, holding blocks
-    num_waiting: int
+    num_waiting: int  # in the engine's queue
     kv_blocks_used: int
     kv_blocks_cached: int
     kv_blocks_free: int
     preemptions: int  # so far, over the engine's life
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (STAGES)
     duration_s: float = 0.0  # the whole step, delivery to request threads included
+    num_queued: int = 0  # waiting in front of the engine, in the batching manager's queue (set at delivery)
 
     def add_stage(self, stage: str, seconds: float) -> None:
         """Charge a stage that runs after the engine's step (delivery) to this step."""

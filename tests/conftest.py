@@ -1,7 +1,9 @@
-"""Shared fixtures: a tiny GPT-2 checkpoint written by transformers, and its greedy oracle."""
+"""Shared fixtures: a tiny GPT-2 checkpoint written by transformers, its greedy oracle, and an
+in-process app serving it."""
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,24 @@ def client(url):
 def model(client) -> str:
     (served,) = client.models.list().data
     return served.id
+
+
+@pytest.fixture
+def make_app(tiny_checkpoint):
+    """An app (Flask test client's side of the server) over the tiny checkpoint, and its batching manager."""
+    from app import create_app
+    from config import Settings
+
+    def make(**settings):
+        settings.setdefault("kv_cache_blocks", 256)
+        app = create_app(Settings(model=str(tiny_checkpoint), **settings))
+        return app, app.extensions["server"].manager
+
+    return make
+
+
+def wait_until(condition, deadline_s: float = 30) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.01)  # polling interval under a deadline

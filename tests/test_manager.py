@@ -1,30 +1,10 @@
 """The batching loop under faults, in process: queue limits, timeouts, and a loop that dies."""
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from app import create_app
-from config import Settings
-
-
-def wait_until(condition, deadline_s: float = 30) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.01)
-
-
-@pytest.fixture
-def make_app(tiny_checkpoint):
-    def make(**settings):
-        settings.setdefault("kv_cache_blocks", 256)
-        app = create_app(Settings(model=str(tiny_checkpoint), **settings))
-        return app, app.extensions["server"].manager
-
-    return make
+from conftest import wait_until
 
 
 def post(app, body):
