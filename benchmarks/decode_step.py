@@ -1,0 +1,132 @@
+"""Decode step time of the engine, in process, against the memory-bandwidth floor of that step.
+
+For each batch size, `batch` random prompts of `--context` tokens are prefilled, then decode
+steps are timed (the device synchronised around them): mean step time, tokens/s, and the
+floor — bytes a decode step must read (every weight once, every sequence's keys/values) and
+write (the new keys/values), over the device's memory bandwidth — with the step's time split
+into its stages (schedule, build, forward, sample) from the engine's step records. On a GPU the
+host does not wait for the forward pass until sampling reads the tokens back, so there the
+forward stage is the launch time and the wait lands in sample.
+
+Settings come from the environment as for the server (ATTENTION_BACKEND, CUDA_GRAPHS, DEVICE,
+DTYPE), so the same command measures each backend:
+
+    DEVICE=cuda python -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200
+    DEVICE=cuda ATTENTION_BACKEND=reference CUDA_GRAPHS=off python -m benchmarks.decode_step
+    python -m benchmarks.decode_step --model gpt2 --batch-sizes 1,8 --steps 10      # CPU
+"""
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from config import Settings
+from generate.engine import Engine, device_and_dtype
+from generate.model_runner import ModelRunner
+from generate.sequence import SamplingParams, Sequence
+from model.gpt2 import GPT, PRESETS
+from model.loader import load_model
+
+H100_SXM_BANDWIDTH = 3.35e12  # bytes/s, HBM3 (datasheet); what the README's floor figures assume
+BLOCK_SIZE = 16
+WARMUP_STEPS = 3  # past the first decode step: every code path and graph bucket in use
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2-medium", choices=sorted(PRESETS), help="preset, random weights")
+    parser.add_argument("--batch-sizes", default="1,32,128,256")
+    parser.add_argument("--context", type=int, default=200, help="tokens in each sequence's cache when timing starts")
+    parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
+    parser.add_argument("--bandwidth", type=float, help="bytes/s for the floor (default: H100 SXM; CPU: measured)")
+    return parser.parse_args()
+
+
+def step_bytes(model: GPT, dtype: torch.dtype, batch: int, context: int) -> int:
+    """What one decode step must move: every weight once, each sequence's cache read, its new key/value written."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * element  # the tied LM head is counted once
+    return weights + batch * (context + 1) * model.config.kv_bytes_per_token(dtype)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large tensor copy (read + write): the CPU's practical memory bandwidth."""
+    src = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    return 2 * 10 * src.numel() / (time.perf_counter() - start)
+
+
+def make_engine(model: GPT, settings: Settings, batch: int, tokens: int) -> Engine:
+    """An engine whose pool holds the whole batch at `tokens` each, and whose budget lets all of it decode at once."""
+    needed = batch * -(-tokens // BLOCK_SIZE)
+    blocks = needed + needed // 50 + 2  # room for the scheduler's admission watermark
+    on_gpu = model.wte.weight.is_cuda
+    budget = max(batch, settings.batch_token_budget(on_gpu, model.config.n_positions))
+    settings = replace(
+        settings, block_size=BLOCK_SIZE, kv_cache_blocks=blocks, max_batch_size=batch, max_batch_tokens=budget
+    )
+    return Engine(ModelRunner.from_settings(model, blocks, settings), blocks, settings, "bench")
+
+
+def time_decode(engine: Engine, model: GPT, batch: int, context: int, steps: int) -> tuple[float, dict[str, float]]:
+    """Mean seconds per decode step of `batch` sequences at `context`, and the mean seconds per stage."""
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + 2, temperature=0)
+    for _ in range(batch):
+        prompt = torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
+        engine.add(Sequence(prompt, params))
+    while engine.scheduler.waiting or any(s.num_generated == 0 for s in engine.scheduler.running):
+        engine.step()  # the prefill, in as many chunks as the budget needs
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    assert len(engine.scheduler.running) == batch, "the whole batch must decode together"
+    sync = torch.cuda.synchronize if model.wte.weight.is_cuda else lambda: None
+    sync()
+    first = engine.num_steps + 1
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    seconds = (time.perf_counter() - start) / steps
+    records = [r for r in engine.step_log.since(first - 1)]
+    stages = {name: statistics.mean(r.stages.get(name, 0.0) for r in records) for name in records[0].stages}
+    while engine.has_work():
+        engine.step()
+    return seconds, stages
+
+
+def main() -> None:
+    args = parse_args()
+    settings = Settings.from_env()
+    device, dtype = device_and_dtype(settings)
+    model = load_model(f"random:{args.model}", device, dtype).model
+    bandwidth = args.bandwidth or (H100_SXM_BANDWIDTH if device.type == "cuda" else copy_bandwidth(device))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(f"{args.model} (random weights) on {name}, {dtype}, torch {torch.__version__}")
+    print(f"contexts of {args.context} tokens; the floor at {bandwidth / 1e9:.0f} GB/s")
+    for i, batch in enumerate(int(b) for b in args.batch_sizes.split(",")):
+        engine = make_engine(model, settings, batch, args.context + args.steps + WARMUP_STEPS + 2)
+        if i == 0:
+            print(f"attention: {engine.runner.attention}; CUDA graphs: {'on' if engine.runner.graphs else 'off'}")
+            print("batch | step ms |   tok/s | floor ms | floor/step | schedule | build | forward | sample (ms)")
+        seconds, stages = time_decode(engine, model, batch, args.context, args.steps)
+        floor = step_bytes(model, dtype, batch, args.context) / bandwidth
+        parts = " | ".join(
+            f"{1000 * stages.get(stage, 0.0):.2f}" for stage in ("schedule", "build", "forward", "sample")
+        )
+        print(
+            f"{batch:>5} | {1000 * seconds:7.2f} | {batch / seconds:7.0f} | {1000 * floor:8.3f} | "
+            f"{100 * floor / seconds:9.1f}% | {parts}"
+        )
+        model.kv_cache = None  # the next engine allocates its own pool
+
+
+if __name__ == "__main__":
+    main()
