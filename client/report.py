@@ -42,7 +42,28 @@ def results_tables(runs: list[dict[str, Any]], markdown: bool) -> str:
             if stats
         ]
         tables.append(render(latency_header, length_rows, labels=2))
+    steps = _step_rows(runs)
+    if steps:
+        tables.append(render(STEP_HEADER, steps, labels=1))
     return "\n\n".join(tables)
+
+
+STAGES = ("schedule", "build", "forward", "sample", "deliver")
+STEP_HEADER = ["run", "steps", "with prefill", "step p50 ms", "step p99 ms", *(f"{s} ms" for s in STAGES)]
+
+
+def _step_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
+    """Where a server's step time went (its /stats over the steps it kept): the next bottleneck, per run."""
+    rows = []
+    for run in runs:
+        recent = (run.get("server_stats") or {}).get("recent_steps")
+        if not recent or not recent["steps"]:
+            continue
+        ms = lambda seconds: "-" if seconds is None else f"{1000 * seconds:.2f}"
+        step, stages = recent["step_time_s"], recent["stage_time_s"]
+        row = [run["label"], str(recent["steps"]), str(recent["steps_with_prefill"]), ms(step["p50"]), ms(step["p99"])]
+        rows.append(row + [ms(stages.get(stage)) for stage in STAGES])
+    return rows
 
 
 def _text(header: list[str], rows: list[list[str]], labels: int) -> str:

@@ -104,6 +104,10 @@ def test_a_short_benchmark_writes_results_plots_and_report(tiny_server_env, tiny
             assert len(request["itl_s"]) <= sent.num_tokens - 1
         assert run["label"] in printed
     assert results["runs"][0]["server_stats"]["requests_completed"] == 6
+    # where each server's step time went: one row per server run, none for the baseline
+    step_table = printed[printed.index("with prefill") :]
+    assert "deliver ms" in step_table and "nobatch" in step_table and "transformers" not in step_table
+    assert "| with prefill |" in (out / "report.md").read_text()
     for name in ("latency_vs_tokens.png", "throughput_ttft.png", "latency_cdf.png"):
         height, width, _ = imread(out / name).shape  # parses as an image
         assert height > 100 and width > 100
