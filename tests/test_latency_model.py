@@ -45,7 +45,17 @@ def test_prompt_tokens_per_s_is_the_inverse_slope():
     assert prompt_tokens_per_s(prefill) == pytest.approx(2000)
 
 
-def test_profile_then_predict_the_real_engine_on_this_cpu(tmp_path):
+@pytest.fixture
+def one_thread():
+    """Profile and check on one core: a two-thread matmul slows by half whenever anything else takes a core,
+    so fitting on one machine state and checking on another would compare different machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_profile_then_predict_the_real_engine_on_this_cpu(tmp_path, one_thread):
     """A small grid, generous bounds: the README has the full grid and its figures."""
     settings = Settings(device="cpu", dtype="float32")
     gpu, measured = profile("random:gpt2", "ci-cpu", settings, [16, 64, 256], [1, 4], [64, 256], repeats=2)
