@@ -84,7 +84,9 @@ def _long_prompts(tokenizer: tiktoken.Encoding, total: int, rate: float, mean_to
         raise ValueError(f"long-prompts needs more than {DECODERS} requests: {DECODERS} decoders, then long prompts")
     n = total - DECODERS
     rng = random.Random(f"long-prompts:{seed}")
-    samples = PromptData(seed=seed, mean_tokens=mean_tokens, std_tokens=mean_tokens / 4).samples(DECODERS)
+    # decoders long enough to outlast the long prompts: not clipped at PromptData's usual 200 tokens
+    data = PromptData(seed=seed, mean_tokens=mean_tokens, std_tokens=mean_tokens / 4, max_tokens=CONTEXT - 128)
+    samples = data.samples(DECODERS)
     pairs = [(tokenizer.encode(s.prompt), s.num_tokens) for s in samples]
     text = _long_text_ids(tokenizer, 2 * CONTEXT, seed)
     for _ in range(n):
