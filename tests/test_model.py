@@ -20,11 +20,13 @@ CPU = torch.device("cpu")
 
 
 def make_engine(checkpoint, num_blocks=256, block_size=4, attention="reference", graphs="off", **settings) -> Engine:
-    """An engine on CPU; attention="triton" runs the kernel under Triton's interpreter, graphs="eager"
-    the CUDA-graph runner's static buffers without capture."""
-    loaded = load_model(str(checkpoint), CPU, torch.float32)
+    """A float32 engine on CPU, but for the Triton kernel on a machine with a GPU. Without one the kernel
+    runs under Triton's interpreter, and graphs="eager" runs the CUDA-graph runner's static buffers without
+    capture."""
+    device = torch.device("cuda") if attention == "triton" and torch.cuda.is_available() else CPU
+    loaded = load_model(str(checkpoint), device, torch.float32)
     settings = Settings(block_size=block_size, **settings)
-    max_batch = settings.max_running(False, loaded.model.config.n_positions)
+    max_batch = settings.max_running(device.type == "cuda", loaded.model.config.n_positions)
     runner = ModelRunner(loaded.model, num_blocks, block_size, attention, graphs, max_batch)
     return Engine(runner, num_blocks, settings, loaded.name)
 

@@ -98,7 +98,8 @@ def test_batch_ladder_and_bucket_choice(tiny_checkpoint):
     assert batch_ladder(256) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert batch_ladder(20) == [1, 2, 4, 8, 16, 20]
     assert batch_ladder(1) == [1]
-    graphs = make_engine(tiny_checkpoint, attention="triton", graphs="eager", max_batch_size=20).runner.graphs
+    engine = make_engine(tiny_checkpoint, attention="triton", graphs="eager", max_batch_size=20)
+    graphs = engine.runner.graphs
     assert [graphs.bucket(n) for n in (1, 2, 3, 5, 9, 16, 17, 20)] == [1, 2, 4, 8, 16, 16, 20, 20]
 
 
@@ -124,7 +125,10 @@ def test_static_buffers_hold_the_rows_then_padding_to_the_scratch_block(tiny_che
         assert graphs.block_tables[row, : len(seq.block_table)].tolist() == seq.block_table
 
 
-@pytest.mark.parametrize("graphs", ["off", "eager"])
+GRAPH_MODES = ["off", "eager"] + (["capture"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("graphs", GRAPH_MODES)
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_greedy_output_through_the_kernel_equals_transformers(tiny_checkpoint, hf_greedy, graphs, prefix_cache):
     engine = make_engine(
@@ -146,5 +150,5 @@ def test_greedy_output_through_the_kernel_equals_transformers(tiny_checkpoint, h
     engine.blocks.check_integrity([])
     decode_steps = [r for r in engine.step_log.since(0) if r.num_prefills == 0]
     assert len(decode_steps) > 10
-    if graphs == "eager":  # every pure decode step ran from the static buffers
+    if graphs != "off":  # every pure decode step ran from the static buffers (or their graphs)
         assert engine.runner.graphs.num_replays == len(decode_steps)
