@@ -107,6 +107,8 @@ def server_stats(srv: Server) -> dict:
         "kv_blocks_evictable": blocks.num_evictable_blocks,
         "prefix_cache": srv.settings.prefix_cache,
         "prefix_cache_hit_rate": scheduler.prompt_tokens_cached / admitted if admitted else 0.0,
+        "prefix_cache_hit_tokens": scheduler.prompt_tokens_cached,
+        "prefix_cache_query_tokens": admitted,
         "evictions": blocks.evictions,
         "preemptions": scheduler.num_preemptions,
         "kv_cache_integrity": manager.cache_problem or "ok",
