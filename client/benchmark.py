@@ -39,7 +39,7 @@ from client.metrics import SLO_METRICS, RequestResult, Summary, summarize  # noq
 from client.plots import plot_all  # noqa: E402
 from client.report import results_tables, write_report  # noqa: E402
 from client.stream import stream_completion  # noqa: E402
-from client.workloads import WORKLOADS, Workload, build  # noqa: E402
+from client.workloads import GROUPS, WORKLOADS, Workload, build  # noqa: E402
 from config import MODES, Settings  # noqa: E402
 from model.loader import resolve_model  # noqa: E402
 
@@ -181,6 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, help="arrivals per second, inf for all at once (default: the workload's)")
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no limit)")
     parser.add_argument("--mean-tokens", type=float, help="mean requested tokens (default: the workload's)")
+    parser.add_argument("--groups", type=int, default=GROUPS, help=f"grouped-prefix's system prompts ({GROUPS})")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
@@ -209,6 +210,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--prefix-cache and --chunked-prefill take on, off or both")
     if args.numsamples < 1 or not args.rate > 0 or not args.mean_tokens >= 1 or min(args.batch_sizes, default=1) < 1:
         parser.error("--numsamples, --rate, --mean-tokens and --batch-sizes must be positive")
+    if args.groups < 1:
+        parser.error("--groups must be positive")
     if min(args.replicas, default=1) < 1 or not set(args.balance) <= set(BALANCES):
         parser.error(f"--replicas must be positive, --balance taken from {', '.join(BALANCES)}")
     if args.url and args.replicas:
@@ -218,7 +221,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Every planned run, then the baseline; the whole record that results.json holds."""
-    workload = build(args.workload, args.numsamples, args.rate, args.mean_tokens, args.seed)
+    workload = build(args.workload, args.numsamples, args.rate, args.mean_tokens, args.seed, args.groups)
     runs = []
     if args.url:
         mode = requests.get(f"{args.url}/health", timeout=10).json()["mode"]
@@ -233,7 +236,8 @@ def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     # The server settings this process passes on, so the command in the report can be run again as it was.
     settings = [f"{name}={os.environ[name]}" for name in SETTING_NAMES if os.environ.get(name)]
     return {
-        "title": f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}",
+        "title": f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}"
+        + (f", {args.groups} groups" if args.workload == "grouped-prefix" else ""),
         "command": " ".join([*settings, "python client/benchmark.py", *argv]),
         "machine": machine(),
         "args": vars(args),

@@ -3,7 +3,7 @@
 seed-like      the original experiment: 100 requests, Poisson arrivals at 1 req/s, lengths normal(100, 50)
 saturate       the same prompts, all sent at once
 shared-prefix  one long system prompt in front of every question: the prefix cache's case
-grouped-prefix GROUPS long system prompts, each in front of its group's questions: routing replicas by prefix
+grouped-prefix groups of requests (GROUPS), each with its own long system prompt: routing replicas by prefix
 sharegpt-like  prompt and response lengths drawn like chat traffic (log-normal, heavy-tailed)
 long-prompts   32 short requests decoding while the rest, long prompts (700-1000 tokens), arrive: chunked prefill's case
 """
@@ -62,8 +62,9 @@ WORKLOADS = {
 }
 
 
-def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int = 0) -> Workload:
-    """Workload `name` with `numsamples` requests; the same arguments always give the same workload."""
+def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int = 0, groups: int = GROUPS) -> Workload:
+    """Workload `name` with `numsamples` requests (grouped-prefix: in `groups` groups, each request in a group drawn
+    at random); the same arguments always give the same workload."""
     tokenizer = load_tokenizer()
     if name == "long-prompts":
         return _long_prompts(tokenizer, numsamples, rate, mean_tokens, seed)
@@ -76,7 +77,7 @@ def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int
             system = _long_text_ids(tokenizer, SYSTEM_PROMPT_TOKENS, seed)
             pairs = [(system + ids, n) for ids, n in pairs]
         elif name == "grouped-prefix":
-            systems = group_system_prompts(tokenizer, seed)
+            systems = group_system_prompts(tokenizer, groups, seed)
             rng = random.Random(f"grouped-prefix:{seed}")
             pairs = [(rng.choice(systems) + ids, n) for ids, n in pairs]
     assert all(len(ids) + n <= CONTEXT for ids, n in pairs)
@@ -105,12 +106,13 @@ def _long_prompts(tokenizer: tiktoken.Encoding, total: int, rate: float, mean_to
     return Workload("long-prompts", requests, offsets)
 
 
-def group_system_prompts(tokenizer: tiktoken.Encoding, seed: int = 0) -> list[list[int]]:
-    """grouped-prefix's GROUPS system prompts of SYSTEM_PROMPT_TOKENS tokens, each its own from the first block."""
+def group_system_prompts(tokenizer: tiktoken.Encoding, groups: int, seed: int = 0) -> list[list[int]]:
+    """grouped-prefix's system prompts of SYSTEM_PROMPT_TOKENS tokens, one per group, each its own from the first
+    block on (and so from the first 16 tokens, which the balancer hashes)."""
     prompts = []
-    for group in range(GROUPS):
+    for group in range(groups):
         opening = tokenizer.encode(f"You are assistant {group + 1}. Your instructions:\n")
-        text = _long_text_ids(tokenizer, SYSTEM_PROMPT_TOKENS, seed * GROUPS + group)
+        text = _long_text_ids(tokenizer, SYSTEM_PROMPT_TOKENS, seed * 1000 + group)
         prompts.append((opening + text)[:SYSTEM_PROMPT_TOKENS])
     return prompts
 
