@@ -8,6 +8,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import threading
 import time
@@ -294,6 +295,22 @@ def test_streamed_events_pass_the_balancer_as_they_come_and_a_hang_up_cancels(cl
         assert time.monotonic() < deadline, "the hang-up did not reach the replica"
         time.sleep(0.05)  # polling interval under a deadline
     assert stats["requests_failed"] == failed + 1  # cancelled, not run to the end
+
+
+@needs_haproxy
+def test_streamed_events_pass_the_balancer_one_by_one(tmp_path):
+    """Each event leaves HAProxy as the replica writes it, not held back to go with the next ones."""
+    step_s = 0.04
+    settings = sim_settings(tmp_path, step_s)  # a token every step, whatever the machine's load
+    proc, url = start_cluster(["1", "dynamic"], tmp_path, RUN_DIR=str(tmp_path), **settings)
+    try:
+        body = {"prompt": "The lighthouse keeper", "max_tokens": 16, "ignore_eos": True, "stream": True}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as response:
+            arrivals = [time.monotonic() for line in response.iter_lines() if line.startswith(b"data: {")]
+    finally:
+        stop_server(proc)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(gaps) > 8 and statistics.median(gaps) > step_s / 2, gaps
 
 
 @needs_haproxy
