@@ -108,13 +108,13 @@ def measure(
     before = cpu.sample(server_pid)
     results, duration_s = run_load(send, workload.requests, workload.offsets, args.max_concurrency)
     used = cpu.usage(before, cpu.sample(server_pid))
-    model = requests.get(f"{url}/health", timeout=10).json()["model"]
-    return record(spec, model, results, duration_s, args, server_stats=fetch_stats(url, args.timeout), cpu=used)
+    stats = fetch_stats(url, args.timeout)  # a cluster's names the model when every replica serves the same
+    return record(spec, stats.get("model"), results, duration_s, args, server_stats=stats, cpu=used)
 
 
 def record(
     spec: RunSpec,
-    model: str,
+    model: str | None,
     results: list[RequestResult],
     duration_s: float,
     args: argparse.Namespace,

@@ -107,7 +107,7 @@ def write_report(path: Path, results: dict[str, Any], pictures: list[Path]) -> N
     """A Markdown page with what ran, where, the tables and the plots (linked relative to `path`)."""
     m = results["machine"]
     hardware = f"{m['cpus']} x {m['cpu']}" + (f", {m['gpu']}" if m["gpu"] else ", no GPU")
-    models = sorted({run["model"] for run in results["runs"]})
+    models = sorted({str(run["model"]) for run in results["runs"]})
     lines = [
         f"# Benchmark: {results['title']}",
         "",
