@@ -55,7 +55,7 @@ WORKLOADS = {
     "seed-like": WorkloadSpec(100, 1.0, 100.0, MODES, ("on",)),
     "saturate": WorkloadSpec(256, math.inf, 100.0, MODES, ("on",)),
     "shared-prefix": WorkloadSpec(100, math.inf, 16.0, ("dynamic",), ("off", "on")),
-    "grouped-prefix": WorkloadSpec(400, 10.0, 16.0, ("dynamic",), ("on",)),
+    "grouped-prefix": WorkloadSpec(400, 8.0, 16.0, ("dynamic",), ("on",)),
     "sharegpt-like": WorkloadSpec(100, 1.0, 338.0, MODES, ("on",)),
     # DECODERS short requests, then numsamples - DECODERS long prompts, one every 1/rate seconds
     "long-prompts": WorkloadSpec(40, 0.2, 200.0, ("dynamic",), ("on",), ("off", "on")),
