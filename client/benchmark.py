@@ -257,11 +257,23 @@ def _as_json(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: v._asdict() if isinstance(v, Summary) else v for k, v in summary.items()}
 
 
+def _to_microseconds(value: Any) -> Any:
+    """`value` with every float rounded to 6 decimals: timings finer than a microsecond are noise, and
+    full-precision floats would make a run of thousands of streamed requests tens of megabytes."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {key: _to_microseconds(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_microseconds(item) for item in value]
+    return value
+
+
 def publish(results: dict[str, Any], out: Path, report: bool) -> None:
     """Print the tables; write results.json, the plots and, if asked, report.md into `out`."""
     print(f"\n{results['title']}\n{results_tables(results['runs'], markdown=False)}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), default=str))
+    (out / "results.json").write_text(json.dumps(_to_microseconds(results), separators=(",", ":"), default=str))
     pictures = plot_all(results["runs"], out)
     if report:
         write_report(out / "report.md", results, pictures)

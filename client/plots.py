@@ -101,7 +101,7 @@ def cluster_comparison(runs: list[Run], path: Path) -> None:
     right.set_xticklabels(labels)
     right.legend()
     for ax in (left, middle, right):
-        ax.tick_params(axis="x", rotation=30)
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
         ax.grid(axis="y", alpha=0.3)
     _save(fig, path)
 
