@@ -6,7 +6,8 @@
 #   REPLICAS_AT=host:port,host:port ./cluster.sh       (or REPLICAS_AT=FILE, one host:port a line)
 # Settings come from the environment and .env, as for ./server.sh (see README.md). RUN_DIR
 # (default: a new temporary directory) receives the filled-in HAProxy configuration, the
-# replicas' logs and the sockets. Ctrl-C or SIGTERM stops everything it started.
+# replicas' logs and the sockets. BALANCE=roundrobin (default: prefix) sends requests in turn
+# instead of by prompt prefix. Ctrl-C or SIGTERM stops everything it started.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -25,7 +26,7 @@ fi
 python=python3
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
 # The settings as every replica will read them (environment, then .env), and cluster.sh's own.
-host='' port='' block_size='' timeout='' device='' engine='' replicas_at='' run_dir='' haproxy='' cuda_visible_devices=''
+host='' port='' block_size='' timeout='' device='' engine='' replicas_at='' run_dir='' haproxy='' balance='' cuda_visible_devices=''
 settings=$("$python" -m deploy.env)
 eval "$settings"
 
@@ -33,6 +34,8 @@ if [ "$replicas" -eq 0 ] && [ -z "$replicas_at" ]; then usage; fi
 if [ "$replicas" -gt 0 ] && [ -n "$replicas_at" ]; then
   die "REPLICAS_AT names the replicas to front: give it without N and MODE, or unset it"
 fi
+balance=${balance:-prefix}
+case "$balance" in prefix|roundrobin) ;; *) die "BALANCE must be prefix or roundrobin, not '$balance'" ;; esac
 haproxy=${haproxy:-$(PATH="$PATH:/usr/sbin:/usr/local/sbin" command -v haproxy || true)}
 [ -x "$haproxy" ] || die "HAProxy not found${haproxy:+ at $haproxy}: apt-get install haproxy (or set HAPROXY to its path)"
 run_dir=${run_dir:-$(mktemp -d "${TMPDIR:-/tmp}/gpt2-cluster.XXXXXX")}
@@ -122,7 +125,8 @@ config=$run_dir/haproxy.cfg
     echo "    server $address $address id $((crc % 2147483646 + 1))"
   done
 } >"$config"
-export CLUSTER_BIND="$host:$port" CLUSTER_BLOCK_SIZE="$block_size" CLUSTER_TIMEOUT="$timeout" CLUSTER_RUN_DIR="$run_dir"
+export CLUSTER_BIND="$host:$port" CLUSTER_BLOCK_SIZE="$block_size" CLUSTER_TIMEOUT="$timeout" CLUSTER_RUN_DIR="$run_dir" \
+  CLUSTER_BALANCE="$balance"
 "$haproxy" -c -q -f "$config" || die "HAProxy refused its configuration, $config"
 setsid "$haproxy" -db -f "$config" &
 haproxy_pid=$!
@@ -133,7 +137,7 @@ until (exec 3<>"/dev/tcp/$probe/$port") 2>/dev/null; do  # listening; the replic
   kill -0 "$haproxy_pid" 2>/dev/null || die "HAProxy exited (is $host:$port free?)"
   sleep 0.2
 done
-echo "cluster: http://$host:$port -> ${addresses[*]}; config and logs in $run_dir"
+echo "cluster: http://$host:$port -> ${addresses[*]} ($balance); config and logs in $run_dir"
 
 # Serve until HAProxy ends or a signal comes; a replica that dies is HAProxy's to route around.
 while true; do

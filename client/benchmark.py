@@ -10,9 +10,11 @@ python client/benchmark.py --workload saturate --numsamples 128 --max-concurrenc
 python client/benchmark.py --workload shared-prefix            # prefix cache off vs on
 python client/benchmark.py --workload saturate --batch-sizes 8,32,128 --modes static,dynamic
 python client/benchmark.py --workload long-prompts           # chunked prefill off vs on
+python client/benchmark.py --workload grouped-prefix --replicas 1,4 --balance prefix,roundrobin   # ./cluster.sh
 """
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -20,6 +22,7 @@ import os
 import platform
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,17 +32,19 @@ if not __package__:  # run as a script: make the repository root importable
 
 import requests  # noqa: E402
 
+from client import cpu  # noqa: E402
 from client.client import fetch_stats, run_load  # noqa: E402
-from client.launch import running_server  # noqa: E402
+from client.launch import start_cluster, start_server, stop_server  # noqa: E402
 from client.metrics import SLO_METRICS, RequestResult, Summary, summarize  # noqa: E402
 from client.plots import plot_all  # noqa: E402
 from client.report import results_tables, write_report  # noqa: E402
 from client.stream import stream_completion  # noqa: E402
-from client.workloads import WORKLOADS, Workload, build  # noqa: E402
+from client.workloads import GROUPS, WORKLOADS, Workload, build  # noqa: E402
 from config import MODES, Settings  # noqa: E402
 from model.loader import resolve_model  # noqa: E402
 
 SETTING_NAMES = [f.name.upper() for f in fields(Settings)]
+BALANCES = ("prefix", "roundrobin")  # cluster.sh's BALANCE
 
 
 class RunSpec(NamedTuple):
@@ -47,13 +52,17 @@ class RunSpec(NamedTuple):
     mode: str  # a server mode, or "transformers" for the baseline
     settings: dict[str, str]  # server settings on top of the environment
     batch_size: int | None  # MAX_BATCH_SIZE when the run sets it
+    replicas: int | None = None  # a cluster of this many replicas behind HAProxy (./cluster.sh), or one server
+    balance: str | None = None  # the cluster's BALANCE
 
 
 def planned_runs(args: argparse.Namespace) -> list[RunSpec]:
-    """Every mode x prefix-cache setting x chunked-prefill setting x batch size asked for, labelled by what varies.
+    """Every mode x prefix-cache setting x chunked-prefill setting x batch size x cluster asked for, labelled by
+    what varies.
 
     nobatch runs one request at a time whatever MAX_BATCH_SIZE says, so a sweep runs it once. Unchunked
-    runs take MAX_BATCH_TOKENS' default, which then covers a whole context.
+    runs take MAX_BATCH_TOKENS' default, which then covers a whole context. A cluster of one replica has
+    nothing to balance, so it runs once whatever --balance says.
     """
     runs = []
     for mode, cache, chunked in itertools.product(args.modes, args.prefix_cache, args.chunked_prefill):
@@ -65,31 +74,59 @@ def planned_runs(args: argparse.Namespace) -> list[RunSpec]:
             if chunked == "off":  # and MAX_BATCH_TOKENS' default, which then covers a whole context
                 settings |= {"CHUNKED_PREFILL": "off", "MAX_BATCH_TOKENS": "0"}
             settings |= {"MAX_BATCH_SIZE": str(size)} if size else {}
-            runs.append(RunSpec(label, mode, settings, size))
+            for replicas in args.replicas or [None]:
+                for balance in [None] if replicas is None else args.balance[: 1 if replicas == 1 else None]:
+                    cluster = ""
+                    if replicas:
+                        cluster = f" {replicas} replica" + ("s" if replicas > 1 else "")
+                        cluster += f" {balance}" if replicas > 1 and len(args.balance) > 1 else ""
+                    runs.append(RunSpec(label + cluster, mode, settings, size, replicas, balance))
     return runs
 
 
-def measure(url: str, spec: RunSpec, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """Send the workload to a healthy server at `url`; the run's record, as results.json holds it."""
+@contextlib.contextmanager
+def started(spec: RunSpec, log_dir: Path) -> Iterator[tuple[str, int]]:
+    """./server.sh, or ./cluster.sh for a cluster, started for `spec` and healthy: its URL and process id."""
+    if spec.replicas:
+        run_dir = tempfile.mkdtemp(prefix="cluster-", dir=log_dir)  # its HAProxy configuration, logs and sockets
+        settings = {"BALANCE": spec.balance, "RUN_DIR": run_dir, **spec.settings}
+        proc, url = start_cluster([str(spec.replicas), spec.mode], log_dir, **settings)
+    else:
+        proc, url = start_server(spec.mode, log_dir, **spec.settings)
+    try:
+        yield url, proc.pid
+    finally:
+        stop_server(proc)
+
+
+def measure(
+    url: str, spec: RunSpec, workload: Workload, args: argparse.Namespace, server_pid: int | None = None
+) -> dict[str, Any]:
+    """Send the workload to a healthy server at `url` (started here as `server_pid`, whose processes' CPU use is
+    then counted apart); the run's record, as results.json holds it."""
     send = functools.partial(stream_completion, url, temperature=args.temperature, timeout=args.timeout)
+    before = cpu.sample(server_pid)
     results, duration_s = run_load(send, workload.requests, workload.offsets, args.max_concurrency)
-    model = requests.get(f"{url}/health", timeout=10).json()["model"]
-    return record(spec, model, results, duration_s, args, server_stats=fetch_stats(url, args.timeout))
+    used = cpu.usage(before, cpu.sample(server_pid))
+    stats = fetch_stats(url, args.timeout)  # a cluster's names the model when every replica serves the same
+    return record(spec, stats.get("model"), results, duration_s, args, server_stats=stats, cpu=used)
 
 
 def record(
     spec: RunSpec,
-    model: str,
+    model: str | None,
     results: list[RequestResult],
     duration_s: float,
     args: argparse.Namespace,
     server_stats: dict[str, Any] | None = None,
+    cpu: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     return {
         **spec._asdict(),
         "model": model,
         "summary": _as_json(summarize(results, duration_s, args.slo)),
         "server_stats": server_stats,
+        "cpu": cpu,  # average cores busy during the run (client.cpu.usage)
         "requests": [r._asdict() for r in results],
     }
 
@@ -138,10 +175,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunked-prefill", help="CHUNKED_PREFILL settings to run each mode with, e.g. off,on")
     parser.add_argument("--batch-sizes", help="MAX_BATCH_SIZE values to run each mode with, e.g. 8,32,128")
     parser.add_argument("--url", help="measure the server running here instead of starting one per run")
+    parser.add_argument("--replicas", help="start ./cluster.sh with each of these numbers of replicas, e.g. 1,2,4")
+    parser.add_argument("--balance", help="the clusters' BALANCE: " + ", ".join(BALANCES) + " (default: prefix)")
     parser.add_argument("--numsamples", type=int, help="requests (default: the workload's)")
     parser.add_argument("--rate", type=float, help="arrivals per second, inf for all at once (default: the workload's)")
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default: no limit)")
     parser.add_argument("--mean-tokens", type=float, help="mean requested tokens (default: the workload's)")
+    parser.add_argument("--groups", type=int, default=GROUPS, help=f"grouped-prefix's system prompts ({GROUPS})")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
@@ -160,6 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.prefix_cache = args.prefix_cache.split(",") if args.prefix_cache else list(spec.prefix_cache)
     args.chunked_prefill = args.chunked_prefill.split(",") if args.chunked_prefill else list(spec.chunked_prefill)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else []
+    args.replicas = [int(n) for n in args.replicas.split(",")] if args.replicas else []
+    args.balance = args.balance.split(",") if args.balance else [BALANCES[0]]
     args.slo = dict(args.slo)
     args.out = args.out or Path("results") / args.workload
     if not set(args.modes) <= set(MODES):
@@ -168,12 +210,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--prefix-cache and --chunked-prefill take on, off or both")
     if args.numsamples < 1 or not args.rate > 0 or not args.mean_tokens >= 1 or min(args.batch_sizes, default=1) < 1:
         parser.error("--numsamples, --rate, --mean-tokens and --batch-sizes must be positive")
+    if args.groups < 1:
+        parser.error("--groups must be positive")
+    if min(args.replicas, default=1) < 1 or not set(args.balance) <= set(BALANCES):
+        parser.error(f"--replicas must be positive, --balance taken from {', '.join(BALANCES)}")
+    if args.url and args.replicas:
+        parser.error("--url measures a running server or cluster; --replicas starts clusters: give one")
     return args
 
 
 def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Every planned run, then the baseline; the whole record that results.json holds."""
-    workload = build(args.workload, args.numsamples, args.rate, args.mean_tokens, args.seed)
+    workload = build(args.workload, args.numsamples, args.rate, args.mean_tokens, args.seed, args.groups)
     runs = []
     if args.url:
         mode = requests.get(f"{args.url}/health", timeout=10).json()["mode"]
@@ -181,14 +229,15 @@ def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     else:
         with tempfile.TemporaryDirectory() as log_dir:
             for spec in planned_runs(args):
-                with running_server(spec.mode, Path(log_dir), **spec.settings) as url:
-                    runs.append(measure(url, spec, workload, args))
+                with started(spec, Path(log_dir)) as (url, pid):
+                    runs.append(measure(url, spec, workload, args, server_pid=pid))
     if args.baseline:  # after the servers stopped, so it has the device to itself
         runs.append(measure_baseline(workload, args))
     # The server settings this process passes on, so the command in the report can be run again as it was.
     settings = [f"{name}={os.environ[name]}" for name in SETTING_NAMES if os.environ.get(name)]
     return {
-        "title": f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}",
+        "title": f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}"
+        + (f", {args.groups} groups" if args.workload == "grouped-prefix" else ""),
         "command": " ".join([*settings, "python client/benchmark.py", *argv]),
         "machine": machine(),
         "args": vars(args),
@@ -208,11 +257,23 @@ def _as_json(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: v._asdict() if isinstance(v, Summary) else v for k, v in summary.items()}
 
 
+def _to_microseconds(value: Any) -> Any:
+    """`value` with every float rounded to 6 decimals: timings finer than a microsecond are noise, and
+    full-precision floats would make a run of thousands of streamed requests tens of megabytes."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {key: _to_microseconds(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_microseconds(item) for item in value]
+    return value
+
+
 def publish(results: dict[str, Any], out: Path, report: bool) -> None:
     """Print the tables; write results.json, the plots and, if asked, report.md into `out`."""
     print(f"\n{results['title']}\n{results_tables(results['runs'], markdown=False)}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), default=str))
+    (out / "results.json").write_text(json.dumps(_to_microseconds(results), separators=(",", ":"), default=str))
     pictures = plot_all(results["runs"], out)
     if report:
         write_report(out / "report.md", results, pictures)

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,16 +15,29 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTH_DEADLINE_S = 300
+PORTS_FROM = 10000  # servers started here listen at or above this port
 
 
 def free_port(following: int = 0) -> int:
-    """A free port, and `following` free ports after it (a cluster's replicas listen there)."""
+    """A free port, and `following` free ports after it (a cluster's replicas listen there).
+
+    Drawn below the kernel's ephemeral range: a port in it can be taken by any outgoing connection
+    before the server binds it, or by the health probe itself, which then connects to its own port.
+    """
+    below = _ephemeral_start()
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + following <= 65535 and all(_is_free(port + i) for i in range(1, following + 1)):
+        port = random.randrange(PORTS_FROM, below - following)
+        if all(_is_free(port + i) for i in range(following + 1)):
             return port
+
+
+def _ephemeral_start() -> int:
+    """The first port the kernel gives outgoing connections (Linux's setting), else IANA's dynamic range."""
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        if low - PORTS_FROM > 1000:
+            return low
+    return 49152
 
 
 def _is_free(port: int) -> bool:

@@ -82,6 +82,30 @@ def batch_size_sweep(runs: list[Run], path: Path) -> None:
     _save(fig, path)
 
 
+def cluster_comparison(runs: list[Run], path: Path) -> None:
+    """Cluster runs side by side: prefix-cache hit rate, output tokens/s, and TTFT median and p99."""
+    runs = [run for run in runs if run.get("replicas")]
+    labels = [run["label"] for run in runs]
+    hits = [100 * (run["server_stats"] or {}).get("prefix_cache_hit_rate", 0) for run in runs]
+    throughput = [run["summary"]["output_tokens_per_s"] for run in runs]
+    ttft = [run["summary"]["ttft_ms"] or {} for run in runs]
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 4.5))
+    left.bar(labels, hits, color="tab:green")
+    left.set(ylabel="% of prompt tokens", title="Prefix-cache hits (higher is better)", ylim=(0, 100))
+    middle.bar(labels, throughput, color="tab:blue")
+    middle.set(ylabel="output tokens/s", title="Throughput (higher is better)")
+    positions = range(len(runs))
+    right.bar([x - 0.2 for x in positions], [t.get("p50", 0) / 1000 for t in ttft], 0.4, label="median")
+    right.bar([x + 0.2 for x in positions], [t.get("p99", 0) / 1000 for t in ttft], 0.4, label="p99")
+    right.set(ylabel="seconds", title="Time to first token (lower is better)", xticks=list(positions))
+    right.set_xticklabels(labels)
+    right.legend()
+    for ax in (left, middle, right):
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+        ax.grid(axis="y", alpha=0.3)
+    _save(fig, path)
+
+
 def _save(fig: plt.Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -97,6 +121,8 @@ def plot_all(runs: list[Run], out_dir: Path) -> list[Path]:
     }
     if len({run["batch_size"] for run in runs if run["batch_size"]}) > 1:
         pictures["batch_size_sweep.png"] = batch_size_sweep
+    if any(run.get("replicas") for run in runs):
+        pictures["cluster.png"] = cluster_comparison
     for name, draw in pictures.items():
         draw(runs, out_dir / name)
     return [out_dir / name for name in pictures]

@@ -1,5 +1,6 @@
 """The benchmark's tables, as aligned text or Markdown, and its Markdown report."""
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ def results_tables(runs: list[dict[str, Any]], markdown: bool) -> str:
     latency_header = ["run", "metric", "mean ms", "median ms", "p99 ms"]
     render = _markdown if markdown else _text
     tables = [render(header, rows, labels=1), render(latency_header, latency_rows, labels=2)]
+    if any(run.get("replicas") for run in runs):
+        tables.append(render(*cluster_table(runs), labels=1))
+    if any(run.get("cpu") for run in runs):
+        tables.append(render(*cpu_table(runs), labels=1))
     by_length = [(run["label"], ttft_by_prompt_length([RequestResult(**r) for r in run["requests"]])) for run in runs]
     if any(all(groups.values()) for _, groups in by_length):  # short and long prompts both ran: TTFT of each
         length_rows = [
@@ -66,6 +71,45 @@ def _step_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def cluster_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Each cluster run: its prefix-cache hit rate (the replicas' together), the requests each replica served,
+    throughput against the one-replica run of the same settings, and TTFT."""
+    header = ["run", "prefix-cache hits", "requests per replica", "out tok/s", "vs 1 replica", "TTFT p50 ms"]
+    header.append("TTFT p99 ms")
+    rows = []
+    for run in runs:
+        if not run.get("replicas"):
+            continue
+        s, stats = run["summary"], run["server_stats"] or {}
+        single = next((r for r in runs if r.get("replicas") == 1 and _same_server(r, run)), None)
+        served = Counter(r["replica"] for r in run["requests"] if r["ok"])
+        ttft = s["ttft_ms"] or {}
+        rows.append(
+            [
+                run["label"],
+                f"{stats['prefix_cache_hit_rate']:.1%}" if "prefix_cache_hit_rate" in stats else "-",
+                "/".join(str(n) for _, n in served.most_common()) or "-",
+                f"{s['output_tokens_per_s']:.1f}",
+                f"{s['output_tokens_per_s'] / single['summary']['output_tokens_per_s']:.2f}x" if single else "-",
+                f"{ttft.get('p50', 0):.1f}",
+                f"{ttft.get('p99', 0):.1f}",
+            ]
+        )
+    return header, rows
+
+
+def _same_server(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a["mode"], a["settings"], a["batch_size"]) == (b["mode"], b["settings"], b["batch_size"])
+
+
+def cpu_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Cores busy on average during each run (client.cpu): the machine's, and whose."""
+    header = ["run", "machine cores busy", "server", "HAProxy", "client", "other"]
+    keys = ("machine", "server", "haproxy", "client", "other")
+    rows = [[run["label"], *(f"{run['cpu'][key]:.2f}" for key in keys)] for run in runs if run.get("cpu")]
+    return header, rows
+
+
 def _text(header: list[str], rows: list[list[str]], labels: int) -> str:
     """Aligned columns: the first `labels` to the left, numbers to the right."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -84,7 +128,7 @@ def write_report(path: Path, results: dict[str, Any], pictures: list[Path]) -> N
     """A Markdown page with what ran, where, the tables and the plots (linked relative to `path`)."""
     m = results["machine"]
     hardware = f"{m['cpus']} x {m['cpu']}" + (f", {m['gpu']}" if m["gpu"] else ", no GPU")
-    models = sorted({run["model"] for run in results["runs"]})
+    models = sorted({str(run["model"]) for run in results["runs"]})
     lines = [
         f"# Benchmark: {results['title']}",
         "",

@@ -28,7 +28,7 @@ def stream_completion(url: str, request: Request, *, temperature: float, timeout
     }
     start = time.perf_counter()
     try:
-        arrivals, usage = _read_stream(url, body, timeout)
+        arrivals, usage, replica = _read_stream(url, body, timeout)
     except RequestFailed as exc:
         return failure(str(exc), time.perf_counter() - start, request.num_tokens)
     return RequestResult(
@@ -40,16 +40,19 @@ def stream_completion(url: str, request: Request, *, temperature: float, timeout
         error=None,
         requested_tokens=request.num_tokens,
         itl_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
+        replica=replica,
     )
 
 
-def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int]]:
-    """When each text event arrived, and the closing usage; raises RequestFailed for any error."""
+def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int], str | None]:
+    """When each text event arrived, the closing usage and the replica that answered (X-Replica);
+    raises RequestFailed for any error."""
     arrivals, usage = [], None
     try:
         with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as response:
             if response.status_code != 200:
                 raise RequestFailed(f"HTTP {response.status_code}: {error_message(response)}")
+            replica = response.headers.get("X-Replica")
             for line in response.iter_lines():
                 if not line.startswith(b"data: {"):
                     continue  # blank separators and the closing [DONE]
@@ -63,4 +66,4 @@ def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[f
         raise RequestFailed(f"malformed or broken stream: {type(exc).__name__}: {exc}") from exc
     if usage is None:
         raise RequestFailed("the stream ended without a usage event")
-    return arrivals, usage
+    return arrivals, usage, replica

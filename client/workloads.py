@@ -3,6 +3,7 @@
 seed-like      the original experiment: 100 requests, Poisson arrivals at 1 req/s, lengths normal(100, 50)
 saturate       the same prompts, all sent at once
 shared-prefix  one long system prompt in front of every question: the prefix cache's case
+grouped-prefix groups of requests (GROUPS), each with its own long system prompt: routing replicas by prefix
 sharegpt-like  prompt and response lengths drawn like chat traffic (log-normal, heavy-tailed)
 long-prompts   32 short requests decoding while the rest, long prompts (700-1000 tokens), arrive: chunked prefill's case
 """
@@ -19,6 +20,7 @@ from model.tokenizer import load_tokenizer
 
 CONTEXT = 1024  # GPT-2's n_positions: a prompt and its completion must fit
 SYSTEM_PROMPT_TOKENS = 500
+GROUPS = 8  # grouped-prefix: system prompts, each shared by the requests of its group
 # ShareGPT's mean lengths as reported in the vLLM paper (Kwon et al. 2023, Table 1): 161 in, 338 out.
 SHAREGPT_MEAN_PROMPT = 161
 SHAREGPT_SIGMA = 1.0  # spread of the log-normal: a long tail, median about 60% of the mean
@@ -53,14 +55,16 @@ WORKLOADS = {
     "seed-like": WorkloadSpec(100, 1.0, 100.0, MODES, ("on",)),
     "saturate": WorkloadSpec(256, math.inf, 100.0, MODES, ("on",)),
     "shared-prefix": WorkloadSpec(100, math.inf, 16.0, ("dynamic",), ("off", "on")),
+    "grouped-prefix": WorkloadSpec(400, 8.0, 16.0, ("dynamic",), ("on",)),
     "sharegpt-like": WorkloadSpec(100, 1.0, 338.0, MODES, ("on",)),
     # DECODERS short requests, then numsamples - DECODERS long prompts, one every 1/rate seconds
     "long-prompts": WorkloadSpec(40, 0.2, 200.0, ("dynamic",), ("on",), ("off", "on")),
 }
 
 
-def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int = 0) -> Workload:
-    """Workload `name` with `numsamples` requests; the same arguments always give the same workload."""
+def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int = 0, groups: int = GROUPS) -> Workload:
+    """Workload `name` with `numsamples` requests (grouped-prefix: in `groups` groups, each request in a group drawn
+    at random); the same arguments always give the same workload."""
     tokenizer = load_tokenizer()
     if name == "long-prompts":
         return _long_prompts(tokenizer, numsamples, rate, mean_tokens, seed)
@@ -72,6 +76,10 @@ def build(name: str, numsamples: int, rate: float, mean_tokens: float, seed: int
         if name == "shared-prefix":
             system = _long_text_ids(tokenizer, SYSTEM_PROMPT_TOKENS, seed)
             pairs = [(system + ids, n) for ids, n in pairs]
+        elif name == "grouped-prefix":
+            systems = group_system_prompts(tokenizer, groups, seed)
+            rng = random.Random(f"grouped-prefix:{seed}")
+            pairs = [(rng.choice(systems) + ids, n) for ids, n in pairs]
     assert all(len(ids) + n <= CONTEXT for ids, n in pairs)
     requests = [Request(ids, n, seed * 1_000_000 + i) for i, (ids, n) in enumerate(pairs)]
     return Workload(name, requests, arrival_offsets(numsamples, rate, seed))
@@ -98,6 +106,17 @@ def _long_prompts(tokenizer: tiktoken.Encoding, total: int, rate: float, mean_to
     interval = 0.0 if math.isinf(rate) else 1 / rate
     offsets = [0.0] * DECODERS + [LONG_PROMPTS_START_S + i * interval for i in range(n)]
     return Workload("long-prompts", requests, offsets)
+
+
+def group_system_prompts(tokenizer: tiktoken.Encoding, groups: int, seed: int = 0) -> list[list[int]]:
+    """grouped-prefix's system prompts of SYSTEM_PROMPT_TOKENS tokens, one per group, each its own from the first
+    block on (and so from the first 16 tokens, which the balancer hashes)."""
+    prompts = []
+    for group in range(groups):
+        opening = tokenizer.encode(f"You are assistant {group + 1}. Your instructions:\n")
+        text = _long_text_ids(tokenizer, SYSTEM_PROMPT_TOKENS, seed * 1000 + group)
+        prompts.append((opening + text)[:SYSTEM_PROMPT_TOKENS])
+    return prompts
 
 
 def _long_text_ids(tokenizer: tiktoken.Encoding, num_tokens: int, seed: int) -> list[int]:

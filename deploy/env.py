@@ -27,7 +27,7 @@ def main() -> None:
         "engine": settings.engine,
     }
     # cluster.sh's own variables, and the GPUs to share out; load_dotenv has put .env's there too
-    for name in ("REPLICAS_AT", "RUN_DIR", "HAPROXY", "CUDA_VISIBLE_DEVICES"):
+    for name in ("REPLICAS_AT", "RUN_DIR", "HAPROXY", "BALANCE", "CUDA_VISIBLE_DEVICES"):
         values[name.lower()] = os.environ.get(name, "")
     print("\n".join(f"{name}={shlex.quote(str(value))}" for name, value in values.items()))
 

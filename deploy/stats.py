@@ -15,7 +15,8 @@ from typing import Any
 
 import requests
 
-# Counts add up over replicas; latencies, rates and hit ratios do not, and stay per replica.
+# Counts add up over replicas; latencies and rates do not, and stay per replica. The hit rate is
+# the cluster's, from the summed token counts.
 SUMMED = (
     "requests_completed",
     "requests_failed",
@@ -23,6 +24,8 @@ SUMMED = (
     "requests_waiting",
     "tokens_generated",
     "prompt_tokens",
+    "prefix_cache_hit_tokens",
+    "prefix_cache_query_tokens",
     "kv_blocks_used",
     "kv_blocks_total",
     "kv_blocks_cached",
@@ -53,9 +56,13 @@ def aggregate(addresses: list[str], headers: dict[str, str]) -> tuple[int, dict[
             return 401, {"error": body["error"]}
     answered = [body for _, status, body in results if status == 200]
     same = {key: answered[0][key] for key in ("mode", "model") if answered and len({b[key] for b in answered}) == 1}
+    sums = {key: sum(body.get(key, 0) for body in answered) for key in SUMMED}
+    queried = sums["prefix_cache_query_tokens"]
     return 200, {
         **same,
-        **{key: sum(body.get(key, 0) for body in answered) for key in SUMMED},
+        **sums,
+        # the cluster's: prompt tokens found in some replica's cache, of all admitted to any replica
+        "prefix_cache_hit_rate": sums["prefix_cache_hit_tokens"] / queried if queried else 0.0,
         "replicas_answering": len(answered),
         "replicas": {name: body for name, _, body in results},
     }

@@ -74,6 +74,17 @@ def hf_prompt_logprobs(hf_model):
     return run
 
 
+def sim_settings(directory: Path, step_s: float) -> dict[str, str]:
+    """ENGINE=sim settings whose every step takes `step_s`, whatever it computes (its FLOP/s and bandwidth
+    are so high that the rest is about a microsecond): a server that is slow by the clock and costs no CPU."""
+    profile = directory / "fixed-step.toml"
+    profile.write_text(
+        "[fixed-step]\nflops = 1e18\nbandwidth = 1e18\nmemory_gib = 80\n"
+        f"compute_efficiency = 1.0\nbandwidth_efficiency = 1.0\nstep_overhead_s = {step_s}\n"
+    )
+    return {"ENGINE": "sim", "SIM_MODEL": "gpt2", "SIM_GPU": str(profile)}
+
+
 def random_prompts(lengths: list[int], seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [(prefix or []) + torch.randint(0, 50257, (n,), generator=gen).tolist() for n in lengths]

@@ -2,14 +2,17 @@
 
 import json
 import statistics
+from collections import Counter
 
 import pytest
 from matplotlib.image import imread
 
 from client.benchmark import main, parse_args, planned_runs
 from client.launch import running_server
+from client.report import cluster_table
 from client.stream import stream_completion
-from client.workloads import CONTEXT, SYSTEM_PROMPT_TOKENS, WORKLOADS, Request, build
+from client.workloads import CONTEXT, GROUPS, SYSTEM_PROMPT_TOKENS, WORKLOADS, Request, build, group_system_prompts
+from model.tokenizer import load_tokenizer
 
 
 @pytest.fixture
@@ -34,6 +37,19 @@ def test_shared_prefix_prompts_share_one_system_prompt():
     system = requests[0].prompt_ids[:SYSTEM_PROMPT_TOKENS]
     assert all(r.prompt_ids[:SYSTEM_PROMPT_TOKENS] == system for r in requests)
     assert len({tuple(r.prompt_ids[SYSTEM_PROMPT_TOKENS:]) for r in requests}) > 10  # the questions differ
+
+
+def test_grouped_prefix_requests_share_their_groups_system_prompt():
+    tokenizer = load_tokenizer()
+    systems = group_system_prompts(tokenizer, GROUPS)
+    assert len({tuple(s[:16]) for s in systems}) == GROUPS  # what the balancer hashes differs between groups
+    assert all(len(s) == SYSTEM_PROMPT_TOKENS for s in systems)
+    requests = build("grouped-prefix", 400, 10.0, 16).requests
+    groups = Counter(next(g for g, s in enumerate(systems) if r.prompt_ids[: len(s)] == s) for r in requests)
+    assert set(groups) == set(range(GROUPS)) and min(groups.values()) > 25  # every group, drawn evenly
+    assert len({tuple(r.prompt_ids[SYSTEM_PROMPT_TOKENS:]) for r in requests}) > 100  # the questions differ
+    assert all(len(r.prompt_ids) < SYSTEM_PROMPT_TOKENS + 80 for r in requests)  # short questions
+    assert {len(group_system_prompts(tokenizer, 3))} == {3}
 
 
 def test_sharegpt_like_lengths_have_chat_means_and_a_long_tail():
@@ -76,8 +92,54 @@ def test_runs_cover_every_mode_cache_setting_and_batch_size():
     assert sweep[2].settings == {"PREFIX_CACHE": "on", "MAX_BATCH_SIZE": "16"}
 
 
+def test_cluster_runs_are_one_per_replica_count_and_balance():
+    args = parse_args(["--workload", "grouped-prefix", "--replicas", "1,2,4", "--balance", "prefix,roundrobin"])
+    assert [(r.label, r.replicas, r.balance, r.settings) for r in planned_runs(args)] == [
+        ("dynamic 1 replica", 1, "prefix", {"PREFIX_CACHE": "on"}),  # nothing to balance: once
+        ("dynamic 2 replicas prefix", 2, "prefix", {"PREFIX_CACHE": "on"}),
+        ("dynamic 2 replicas roundrobin", 2, "roundrobin", {"PREFIX_CACHE": "on"}),
+        ("dynamic 4 replicas prefix", 4, "prefix", {"PREFIX_CACHE": "on"}),
+        ("dynamic 4 replicas roundrobin", 4, "roundrobin", {"PREFIX_CACHE": "on"}),
+    ]
+    scaling = planned_runs(parse_args(["--workload", "saturate", "--modes", "dynamic", "--replicas", "1,2"]))
+    assert [(r.label, r.balance) for r in scaling] == [
+        ("dynamic 1 replica", "prefix"),
+        ("dynamic 2 replicas", "prefix"),
+    ]
+    assert [r.replicas for r in planned_runs(parse_args(["--modes", "static"]))] == [None]  # one server, no cluster
+
+
+def test_the_cluster_table_compares_each_run_with_one_replica():
+    def run(label: str, replicas: int, tok_s: float, served: list[str], settings: dict) -> dict:
+        requests = [{"ok": True, "replica": name} for name in served]
+        summary = {"output_tokens_per_s": tok_s, "ttft_ms": {"mean": 1.0, "p50": 2.0, "p99": 3.0}}
+        stats = {"prefix_cache_hit_rate": 0.5}
+        return {"label": label, "mode": "dynamic", "settings": settings, "batch_size": None, "replicas": replicas,
+                "summary": summary, "server_stats": stats, "requests": requests}  # fmt: skip
+
+    runs = [
+        run("one", 1, 100.0, ["a"] * 4, {"PREFIX_CACHE": "on"}),
+        run("two", 2, 190.0, ["a", "b", "b", "b"], {"PREFIX_CACHE": "on"}),
+        run("two, cache off", 2, 150.0, ["a", "b"], {"PREFIX_CACHE": "off"}),  # no one-replica run of its own
+    ]
+    header, rows = cluster_table(runs)
+    assert [row[header.index("vs 1 replica")] for row in rows] == ["1.00x", "1.90x", "-"]
+    assert [row[header.index("requests per replica")] for row in rows] == ["4", "3/1", "1/1"]
+    assert rows[0][header.index("prefix-cache hits")] == "50.0%"
+
+
 @pytest.mark.parametrize(
-    "argv", [["--modes", "eager"], ["--prefix-cache", "maybe"], ["--slo", "ttft"], ["--slo", "x:1"]]
+    "argv",
+    [
+        ["--modes", "eager"],
+        ["--prefix-cache", "maybe"],
+        ["--slo", "ttft"],
+        ["--slo", "x:1"],
+        ["--replicas", "0"],
+        ["--balance", "leastconn"],
+        ["--url", "http://127.0.0.1:1", "--replicas", "2"],
+        ["--groups", "0"],
+    ],
 )
 def test_bad_arguments_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exit_info:

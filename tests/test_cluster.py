@@ -1,23 +1,28 @@
 """Replicas behind real HAProxy (./cluster.sh): routing by prompt prefix, and surviving a dead replica."""
 
 import contextlib
+import itertools
 import json
 import os
 import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
+import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import requests
+from conftest import sim_settings
 
 from client.launch import ROOT, free_port, server_env, start_cluster, start_server, stop_server
+from client.workloads import build, group_system_prompts
 from model.tokenizer import load_tokenizer
 
 HAPROXY = shutil.which("haproxy", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/local/sbin")
@@ -181,6 +186,63 @@ def test_removing_a_replica_moves_only_its_prefixes(cluster, tmp_path):
 
 
 @needs_haproxy
+def test_balance_roundrobin_sends_one_prefix_to_every_replica_in_turn(cluster, tmp_path):
+    """BALANCE=roundrobin, what a generic balancer does (the benchmark measures routing by prefix against it)."""
+    addresses = ",".join(cluster.replicas)
+    proc, url = start_cluster([], tmp_path, REPLICAS_AT=addresses, RUN_DIR=str(tmp_path), BALANCE="roundrobin")
+    try:
+        served = Counter(replica_for(Cluster(url, cluster.replicas, tmp_path), f"{SYSTEM} Why?") for _ in range(6))
+    finally:
+        stop_server(proc)
+    assert served == {name: 2 for name in cluster.replicas}
+
+
+@needs_haproxy
+def test_the_benchmark_compares_prefix_routing_with_round_robin(tmp_path, monkeypatch):
+    """--replicas and --balance: a cluster per run, and the prefix cache's hits as the balancer's /stats sum them."""
+    from client.benchmark import main
+
+    for name, value in sim_settings(tmp_path, step_s=0.005).items():
+        monkeypatch.setenv(name, value)  # the clusters' replicas read their settings from the environment
+    groups, n = 3, 24
+    argv = ["--workload", "grouped-prefix", "--groups", str(groups), "--numsamples", str(n), "--mean-tokens", "4"]
+    argv += ["--max-concurrency", "1", "--replicas", "2", "--balance", "prefix,roundrobin"]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--report"]) == 0
+
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = {run["label"]: run for run in results["runs"]}
+    assert list(runs) == ["dynamic 2 replicas prefix", "dynamic 2 replicas roundrobin"]
+    systems = group_system_prompts(TOKENIZER, groups)
+    prompts = [r.prompt_ids for r in build("grouped-prefix", n, 10.0, 4, groups=groups).requests]
+    group_of = [next(g for g, system in enumerate(systems) if p[: len(system)] == system) for p in prompts]
+    placed = {}  # run -> the (group, replica) pairs it served
+    for label, run in runs.items():
+        stats = run["server_stats"]
+        assert run["summary"]["requests_ok"] == n and stats["replicas_answering"] == 2
+        served = Counter(r["replica"] for r in run["requests"])
+        assert served == {name: replica["requests_completed"] for name, replica in stats["replicas"].items()}
+        # One request at a time: a request finds its system prompt's 31 full blocks cached if an earlier one of
+        # its group ran on its replica, and nothing if none did (groups differ from their first block on).
+        first, repeated = set(), []
+        for group, prompt, request in zip(group_of, prompts, run["requests"]):
+            if (group, request["replica"]) in first:
+                repeated.append(prompt)
+            first.add((group, request["replica"]))
+        assert len(repeated) * 496 <= stats["prefix_cache_hit_tokens"] <= sum(len(p) - 1 for p in repeated)
+        assert stats["prefix_cache_query_tokens"] == sum(map(len, prompts))
+        hit_rate = stats["prefix_cache_hit_tokens"] / sum(map(len, prompts))
+        assert stats["prefix_cache_hit_rate"] == pytest.approx(hit_rate, abs=1e-6)  # results.json keeps 6 decimals
+        assert run["cpu"]["server"] > 0 and run["cpu"]["haproxy"] > 0 and run["cpu"]["client"] > 0
+        placed[label] = first
+    prefix, roundrobin = runs.values()
+    assert sorted(Counter(r["replica"] for r in roundrobin["requests"]).values()) == [n // 2, n // 2]
+    assert len(placed["dynamic 2 replicas prefix"]) < len(placed["dynamic 2 replicas roundrobin"])
+    assert prefix["server_stats"]["prefix_cache_hit_rate"] > roundrobin["server_stats"]["prefix_cache_hit_rate"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "requests per replica" in report and "](cluster.png)" in report
+
+
+@needs_haproxy
 def test_each_replica_gets_its_own_gpu(cluster):
     """Replica i sees GPU i alone: its environment, as Linux shows it in /proc."""
     gpus = {}
@@ -237,6 +299,22 @@ def test_streamed_events_pass_the_balancer_as_they_come_and_a_hang_up_cancels(cl
 
 
 @needs_haproxy
+def test_streamed_events_pass_the_balancer_one_by_one(tmp_path):
+    """Each event leaves HAProxy as the replica writes it, not held back to go with the next ones."""
+    step_s = 0.04
+    settings = sim_settings(tmp_path, step_s)  # a token every step, whatever the machine's load
+    proc, url = start_cluster(["1", "dynamic"], tmp_path, RUN_DIR=str(tmp_path), **settings)
+    try:
+        body = {"prompt": "The lighthouse keeper", "max_tokens": 16, "ignore_eos": True, "stream": True}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as response:
+            arrivals = [time.monotonic() for line in response.iter_lines() if line.startswith(b"data: {")]
+    finally:
+        stop_server(proc)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(gaps) > 8 and statistics.median(gaps) > step_s / 2, gaps
+
+
+@needs_haproxy
 def test_the_benchmark_runs_against_the_cluster(cluster, tmp_path):
     from client.benchmark import main
 
@@ -246,31 +324,128 @@ def test_the_benchmark_runs_against_the_cluster(cluster, tmp_path):
     assert run["summary"]["requests_ok"] == 6 and set(run["server_stats"]["replicas"]) == set(cluster.replicas)
 
 
+class Sent(NamedTuple):
+    streamed: bool
+    sent: float  # time.monotonic() when it was sent
+    done: float  # when its answer ended, or its error came
+    ok: bool
+    replica: str | None  # X-Replica, as the answer's headers said
+    error: str | None
+
+
+class Load:
+    """Clients sending through the balancer, each one request after another until stopped, every other one
+    streamed; it knows which streams are open on which replica (their headers name it)."""
+
+    STREAMED_TOKENS, WHOLE_TOKENS = 100, 40
+
+    def __init__(self, url: str, clients: int):
+        self.url, self.results, self.stop = url, [], threading.Event()
+        self.lock = threading.Lock()
+        self.streams: Counter = Counter()  # open streams by replica; None: no headers yet
+        self.pool = ThreadPoolExecutor(clients)
+        self.clients = [self.pool.submit(self._client, c) for c in range(clients)]
+
+    def _client(self, c: int) -> None:
+        for i in itertools.count():
+            if self.stop.is_set():
+                return
+            self.results.append(self._send(f"Client {c} asks question {i}:", streamed=(c + i) % 2 == 0))
+
+    def _send(self, prompt: str, streamed: bool) -> Sent:
+        tokens = self.STREAMED_TOKENS if streamed else self.WHOLE_TOKENS
+        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": streamed}
+        sent, replica, where = time.monotonic(), None, None
+        if streamed:
+            self._move(None, +1)
+        try:
+            with requests.post(f"{self.url}/v1/completions", json=body, stream=streamed, timeout=60) as response:
+                replica = response.headers.get("X-Replica")
+                if streamed:
+                    where = self._move(None, -1, to=replica)
+                if response.status_code != 200:
+                    return Sent(streamed, sent, time.monotonic(), False, replica, f"HTTP {response.status_code}")
+                if streamed:
+                    ended = any(line == b"data: [DONE]" for line in response.iter_lines())
+                    error = None if ended else "the stream ended without [DONE]"
+                else:
+                    error = None if response.json()["choices"][0]["text"] else "no text"
+        except requests.RequestException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if streamed:
+                self._move(where, -1)
+        return Sent(streamed, sent, time.monotonic(), error is None, replica, error)
+
+    def _move(self, replica: str | None, step: int, to: str | None = None) -> str | None:
+        """Count a stream in or out under `replica` (and, with `to`, into `to`); where it is now."""
+        with self.lock:
+            self.streams[replica] += step
+            if to is not None:
+                self.streams[to] += 1
+        return to if to is not None else replica
+
+    def open_streams(self) -> Counter:
+        with self.lock:
+            return Counter(self.streams)
+
+    def finish(self, deadline_s: float) -> list[Sent]:
+        """Stop sending; every request's record, once each client has its last answer (none may hang)."""
+        self.stop.set()
+        done, hanging = wait(self.clients, timeout=deadline_s)
+        self.pool.shutdown(wait=False)
+        assert not hanging, f"{len(hanging)} clients still waiting {deadline_s} s after the load stopped"
+        for future in done:
+            future.result()
+        return list(self.results)
+
+
 @needs_haproxy
-def test_a_dead_replica_is_routed_around_taken_out_and_put_back(tiny_checkpoint, tmp_path):
-    """REPLICAS_AT: HAProxy in front of replicas started elsewhere (here: by the test, to kill one)."""
-    settings = replica_settings(tiny_checkpoint)
+def test_a_replica_killed_under_load(tmp_path):
+    """SIGKILL one of two replicas while requests run on both: a stream it was sending breaks at once (an error,
+    not a hang); every request it had not started answering, and every request sent after, is answered by the
+    other (HAProxy re-sends it); it is taken out, and once restarted it is put back and gets traffic again."""
+    settings = {**sim_settings(tmp_path, step_s=0.02), "KV_CACHE_BLOCKS": "2048"}  # 2 s a stream, 0.8 s the rest
     (doomed, doomed_url), (survivor, survivor_url) = start_replicas(tmp_path, settings, settings)
     victim, other = doomed_url.removeprefix("http://"), survivor_url.removeprefix("http://")
-    balancer = None
+    balancer = load = None
     try:
         balancer, url = start_cluster([], tmp_path, REPLICAS_AT=f"{victim},{other}", RUN_DIR=str(tmp_path))
-        pair = Cluster(url, {victim: doomed_url, other: survivor_url}, tmp_path)
-        prompt = next(p for p in (f"Prompt number {i}, keyed" for i in range(100)) if replica_for(pair, p) == victim)
         status = lambda: haproxy_view(tmp_path)[victim]["status"]
+        running = lambda: requests.get(f"{doomed_url}/stats", timeout=10).json()["requests_running"]
+        load = Load(url, clients=8)
 
-        os.killpg(doomed.pid, signal.SIGKILL)  # its port closes at once; HAProxy has not checked yet
+        def both_kinds_on_the_victim() -> bool:  # a stream it is sending, and a request it has not answered yet
+            streams = load.open_streams()
+            return streams[victim] >= 1 and running() - streams[victim] - streams[None] >= 1
+
+        poll(both_kinds_on_the_victim, 30, "no stream and no other request on the victim at once")
+        os.killpg(doomed.pid, signal.SIGKILL)
         doomed.wait()
-        assert [replica_for(pair, prompt) for _ in range(5)] == [other] * 5  # refused, then sent to the other
+        killed = time.monotonic()
         poll(lambda: status().startswith("DOWN"), 10, "not taken out")
+        down = time.monotonic()
+        poll(lambda: sum(r.sent > down for r in load.results) >= 8, 30, "no answers after it was taken out")
 
         doomed, _ = start_server("dynamic", tmp_path, port=int(victim.rsplit(":", 1)[1]), **settings)
         poll(lambda: status().startswith("UP"), 10, "not put back")
-        assert replica_for(pair, prompt) == victim  # its keys come back to it
+        up = time.monotonic()
+        poll(lambda: any(r.sent > up and r.replica == victim for r in load.results), 30, "no traffic once back")
+        results = load.finish(deadline_s=30)
     finally:
+        if load is not None:
+            load.stop.set()
         for proc in (balancer, doomed, survivor):
             if proc is not None and proc.poll() is None:
                 stop_server(proc)
+
+    failed = [r for r in results if not r.ok]
+    assert failed, "no stream broke: the victim was sending none"
+    assert all(r.streamed and r.replica == victim and r.sent < killed for r in failed), failed
+    assert all(r.done < killed + 5 for r in failed)  # broken at once, not left hanging
+    assert all(r.ok for r in results if not r.streamed)  # those it had not answered were re-sent to the other
+    assert all(r.ok for r in results if r.sent > killed)  # zero failures once it was dead: before and after DOWN
+    assert sum(r.sent > down for r in results) >= 8
 
 
 @needs_haproxy
@@ -338,6 +513,11 @@ def test_cluster_sh_refuses_bad_arguments(args):
 def test_cluster_sh_refuses_replicas_at_with_n_and_mode():
     result = run_cluster_sh("2", "dynamic", REPLICAS_AT="127.0.0.1:1")
     assert result.returncode == 1 and "REPLICAS_AT" in result.stderr
+
+
+def test_cluster_sh_refuses_an_unknown_balance():
+    result = run_cluster_sh("2", "dynamic", BALANCE="leastconn")
+    assert result.returncode == 1 and "BALANCE must be prefix or roundrobin" in result.stderr
 
 
 def test_cluster_sh_without_haproxy_says_how_to_install_it(tmp_path):

@@ -185,14 +185,14 @@ def in_flight(url: str) -> int:
     return stats["requests_running"] + stats["requests_waiting"]
 
 
-def test_health_answers_within_a_second_with_every_admitted_request_in_flight(tiny_checkpoint, tmp_path):
+def test_health_answers_within_a_second_with_500_requests_in_flight(tiny_checkpoint, tmp_path):
     """A load balancer takes out a replica whose /health is slow: a busy replica must answer it at once.
 
-    64 running and 192 waiting requests are all the server admits; 44 more clients are beyond
-    MAX_WAITING and must be refused at once, not queue for a thread (where /health would queue too).
+    64 running and 436 waiting requests, 500 in flight, are all the server admits; 40 more clients are
+    beyond MAX_WAITING and must be refused at once, not queue for a thread (where /health would queue too).
     """
-    clients, admitted = 300, 64 + 192
-    env = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "8192", "MAX_BATCH_SIZE": "64", "MAX_WAITING": "192"}
+    clients, admitted = 540, 64 + 436
+    env = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "8192", "MAX_BATCH_SIZE": "64", "MAX_WAITING": "436"}
     proc, url = start_server("dynamic", tmp_path, SHUTDOWN_GRACE_S="1", **env)
     try:
 

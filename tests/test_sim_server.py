@@ -7,21 +7,17 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import requests
+from conftest import sim_settings
 
 from client.launch import running_server
 
-STEP_S = 0.02  # every step of the profile below: the overhead; its FLOP/s and bandwidth make the rest ~1 µs
+STEP_S = 0.02  # every step of the simulated GPU (conftest.sim_settings)
 
 
 @pytest.fixture(scope="module")
 def sim_url(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sim")
-    profile = directory / "slow.toml"
-    profile.write_text(
-        "[slow]\nflops = 1e18\nbandwidth = 1e18\nmemory_gib = 80\n"
-        f"compute_efficiency = 1.0\nbandwidth_efficiency = 1.0\nstep_overhead_s = {STEP_S}\n"
-    )
-    settings = {"ENGINE": "sim", "SIM_MODEL": "gpt2", "SIM_GPU": str(profile), "MAX_BODY_BYTES": "65536"}
+    settings = {**sim_settings(directory, STEP_S), "MAX_BODY_BYTES": "65536"}
     with running_server("dynamic", directory, **settings) as url:
         yield url
 
@@ -34,11 +30,11 @@ def inference(url: str, prompt: str, n: int) -> dict:
 
 def test_health_models_and_stats_name_the_simulation(sim_url):
     health = requests.get(f"{sim_url}/health", timeout=10).json()
-    assert health["status"] == "ok" and health["model"] == "sim:gpt2@slow"
+    assert health["status"] == "ok" and health["model"] == "sim:gpt2@fixed-step"
     models = requests.get(f"{sim_url}/v1/models", timeout=10).json()
-    assert [m["id"] for m in models["data"]] == ["sim:gpt2@slow"]
+    assert [m["id"] for m in models["data"]] == ["sim:gpt2@fixed-step"]
     stats = requests.get(f"{sim_url}/stats", timeout=10).json()
-    assert stats["model"] == "sim:gpt2@slow" and stats["kv_blocks_total"] > 100_000  # 72 GiB of gpt2 KV
+    assert stats["model"] == "sim:gpt2@fixed-step" and stats["kv_blocks_total"] > 100_000  # 72 GiB of gpt2 KV
 
 
 def test_inference_takes_the_profiles_time_per_token(sim_url):
@@ -67,7 +63,7 @@ def test_concurrent_requests_share_steps(sim_url):
 def test_completions_streamed_and_not_agree(sim_url):
     body = {"prompt": "Gulls cried over grey water", "max_tokens": 12}
     whole = requests.post(f"{sim_url}/v1/completions", json=body, timeout=60).json()
-    assert whole["model"] == "sim:gpt2@slow"
+    assert whole["model"] == "sim:gpt2@fixed-step"
     assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 12
     with requests.post(f"{sim_url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
         events = [line.removeprefix("data: ") for line in r.iter_lines(decode_unicode=True) if line]
@@ -80,7 +76,7 @@ def test_completions_streamed_and_not_agree(sim_url):
 def test_the_openai_client_works_against_the_simulation(sim_url):
     client = openai.OpenAI(base_url=f"{sim_url}/v1", api_key="unused")
     start = time.monotonic()
-    completion = client.completions.create(model="sim:gpt2@slow", prompt="Once upon a time", max_tokens=8)
+    completion = client.completions.create(model="sim:gpt2@fixed-step", prompt="Once upon a time", max_tokens=8)
     assert time.monotonic() - start >= 8 * STEP_S
     assert completion.usage.completion_tokens == 8 and completion.choices[0].text
 
@@ -91,7 +87,7 @@ def test_the_benchmark_client_runs_against_the_simulation(sim_url, tmp_path):
     argv = ["--url", sim_url, "--workload", "saturate", "--numsamples", "6", "--mean-tokens", "5"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert run["model"] == "sim:gpt2@slow" and run["summary"]["requests_ok"] == 6
+    assert run["model"] == "sim:gpt2@fixed-step" and run["summary"]["requests_ok"] == 6
     # Streamed gaps are simulated steps: the loop may add to one, delivery may shift one, but on average they
     # cannot be shorter than a step.
     assert run["summary"]["itl_ms"]["mean"] >= STEP_S * 1000 * 0.9
