@@ -1,10 +1,12 @@
-"""GET /stats for a cluster: every replica's /stats under its name, and the counts summed.
+"""GET /stats for a cluster: every replica's /stats under its name, and the counts summed; and
+GET /dashboard: the replicas, each linked to its own dashboard through the balancer.
 
 HAProxy sends the balancer's /stats here (deploy/haproxy.cfg) over a Unix socket in the
 cluster's run directory, so that no replica's numbers pass for the cluster's. Started by
 cluster.sh:  python -m deploy.stats SOCKET HOST:PORT [HOST:PORT ...]
 """
 
+import html
 import json
 import socketserver
 import sys
@@ -68,18 +70,41 @@ def aggregate(addresses: list[str], headers: dict[str, str]) -> tuple[int, dict[
     }
 
 
+def dashboard_index(addresses: list[str]) -> str:
+    """A page linking each replica's dashboard (/replica/NAME/dashboard on the balancer), and whether it is up."""
+    items = []
+    for address in addresses:
+        try:  # /health names the replica (X-Replica) and needs no API key
+            response = requests.get(f"http://{address}/health", timeout=TIMEOUT_S)
+            name, state = response.headers.get("X-Replica", address), response.json().get("status", "?")
+        except (requests.RequestException, ValueError):
+            name, state = address, "not answering"
+        link = f'<a href="replica/{html.escape(name)}/dashboard">{html.escape(name)}</a>'
+        items.append(f"<li>{link} ({html.escape(state)})</li>")
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Cluster dashboards</title></head>'
+        f"<body><h1>Replicas</h1><ul>{''.join(items)}</ul></body></html>"
+    )
+
+
 class StatsHandler(BaseHTTPRequestHandler):
     server: "StatsServer"
 
     def do_GET(self) -> None:
-        if self.path.partition("?")[0] != "/stats":
-            status, body = 404, {"error": {"message": "only /stats", "type": "not_found", "param": None, "code": 404}}
+        path = self.path.partition("?")[0]
+        if path == "/dashboard":
+            return self._send(200, dashboard_index(self.server.addresses).encode(), "text/html; charset=utf-8")
+        if path != "/stats":
+            error = {"message": "only /stats and /dashboard", "type": "not_found", "param": None, "code": 404}
+            status, body = 404, {"error": error}
         else:
             auth = self.headers.get("Authorization")
             status, body = aggregate(self.server.addresses, {"Authorization": auth} if auth else {})
-        payload = json.dumps(body).encode()
+        self._send(status, json.dumps(body).encode(), "application/json")
+
+    def _send(self, status: int, payload: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)

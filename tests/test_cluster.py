@@ -487,6 +487,22 @@ def test_sigterm_stops_the_cluster_after_its_requests_finish(tiny_checkpoint, tm
 
 
 @needs_haproxy
+def test_each_replicas_dashboard_through_the_balancer(cluster):
+    index = requests.get(f"{cluster.url}/dashboard", timeout=10)
+    assert index.status_code == 200 and index.headers["Content-Type"].startswith("text/html")
+    for name in cluster.replicas:
+        assert f'href="replica/{name}/dashboard"' in index.text
+        page = requests.get(f"{cluster.url}/replica/{name}/dashboard", timeout=10)
+        assert page.status_code == 200 and page.headers["X-Replica"] == name
+        script = requests.get(f"{cluster.url}/replica/{name}/dashboard/dashboard.js", timeout=10)
+        assert script.status_code == 200 and script.headers["X-Replica"] == name
+        # the page's data comes from its replica every time, whatever the balancing would pick
+        for _ in range(4):
+            timeline = requests.get(f"{cluster.url}/replica/{name}/stats/timeline?since=0", timeout=10)
+            assert timeline.status_code == 200 and timeline.headers["X-Replica"] == name
+            assert "steps" in timeline.json()
+
+
 def test_the_balancers_stats_pass_the_api_key_on(tiny_checkpoint, tmp_path):
     settings = {**replica_settings(tiny_checkpoint), "API_KEY": "sesame"}
     proc, url = start_cluster(["1", "dynamic"], tmp_path, RUN_DIR=str(tmp_path), **settings)  # /health is open
