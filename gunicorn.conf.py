@@ -29,7 +29,8 @@ accesslog = None
 
 
 def on_starting(server) -> None:
-    """Resolve (and download) the model before forking, so a bad MODEL is one clear line.
+    """Resolve (and download) the model before forking, so a bad MODEL is one clear line, as is a
+    MAX_BATCH_TOKENS that cannot hold its context with CHUNKED_PREFILL off.
 
     ENGINE=sim: build the simulated engine once here instead (cheap: no tensors), so an
     unknown SIM_MODEL or SIM_GPU, or a model too big for the simulated GPUs, is one line too.
@@ -38,7 +39,7 @@ def on_starting(server) -> None:
         if settings.engine == "sim":
             simulated_engine(settings, announce=False)
         else:
-            resolve_model(settings.model)
+            settings.batch_token_budget(False, resolve_model(settings.model).config().n_positions)
     except (ModelLoadError, ValueError) as err:  # ValueError: a ProfileError, or MAX_BATCH_TOKENS too small
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -33,6 +33,10 @@ class ModelSource(NamedTuple):
     directory: Path | None  # a Hugging Face format checkpoint, or None for random weights
     preset: str | None  # the architecture of random weights
 
+    def config(self) -> GPTConfig:
+        """The architecture, read without loading a weight."""
+        return read_config(self.directory) if self.directory is not None else PRESETS[self.preset]
+
 
 def resolve_model(spec: str) -> ModelSource:
     """Where the weights for `spec` come from, downloading hub checkpoints once; no weights load.

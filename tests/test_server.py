@@ -165,6 +165,14 @@ def test_unreachable_hub_model_is_one_clear_line(tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def test_an_unchunked_budget_below_one_context_is_one_clear_line(tiny_checkpoint):
+    env = server_env(MODEL=str(tiny_checkpoint), CHUNKED_PREFILL="off", MAX_BATCH_TOKENS="512", PORT="1")
+    result = subprocess.run([str(ROOT / "server.sh"), "dynamic"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "MAX_BATCH_TOKENS (512) must cover one full context (1024 tokens)" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
 def test_no_settings_serves_random_gpt2_medium_and_says_so(tmp_path):
     env = {"MODEL": "", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "KV_CACHE_BLOCKS": "64"}
     with running_server("dynamic", tmp_path, **env) as url:
