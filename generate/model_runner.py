@@ -58,8 +58,13 @@ class ModelRunner:
         CUDA_GRAPHS auto: decode steps from graphs whenever the kernel runs on CUDA."""
         device = model.wte.weight.device
         attention = settings.attention_backend
+        head_dim = model.config.head_dim
+        kernel_fits = head_dim & (head_dim - 1) == 0  # the kernel's tiles need a power of two (GPT-2's: 64)
         if attention == "auto":
-            attention = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "reference"
+            usable = device.type == "cuda" and kernel_fits and importlib.util.find_spec("triton")
+            attention = "triton" if usable else "reference"
+        if attention == "triton" and not kernel_fits:
+            raise ValueError(f"ATTENTION_BACKEND=triton needs a head dimension that is a power of two, not {head_dim}")
         if attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ValueError("ATTENTION_BACKEND=triton needs the triton package (it comes with CUDA builds of torch)")
         if attention == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

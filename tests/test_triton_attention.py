@@ -152,3 +152,20 @@ def test_greedy_output_through_the_kernel_equals_transformers(tiny_checkpoint, h
     assert len(decode_steps) > 10
     if graphs != "off":  # every pure decode step ran from the static buffers (or their graphs)
         assert engine.runner.graphs.num_replays == len(decode_steps)
+
+
+def test_backend_and_graphs_follow_the_settings_and_the_device():
+    from config import Settings
+    from generate.model_runner import ModelRunner
+    from model.gpt2 import GPT, GPTConfig
+
+    def runner(n_embd: int, **settings) -> ModelRunner:
+        model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=n_embd, n_positions=64, vocab_size=100))
+        return ModelRunner.from_settings(model, 8, Settings(block_size=4, **settings))
+
+    on_cpu = runner(32)
+    assert on_cpu.attention == "reference" and on_cpu.graphs is None  # auto: the kernel is for CUDA
+    if not torch.cuda.is_available():  # a model on CPU runs the kernel under the interpreter only
+        assert runner(32, attention_backend="triton").attention == "triton"
+    with pytest.raises(ValueError, match="power of two, not 48"):
+        runner(96, attention_backend="triton")
