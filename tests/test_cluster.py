@@ -220,7 +220,9 @@ def test_the_benchmark_compares_prefix_routing_with_round_robin(tmp_path, monkey
         stats = run["server_stats"]
         assert run["summary"]["requests_ok"] == n and stats["replicas_answering"] == 2
         served = Counter(r["replica"] for r in run["requests"])
-        assert served == {name: replica["requests_completed"] for name, replica in stats["replicas"].items()}
+        completed = {name: replica["requests_completed"] for name, replica in stats["replicas"].items()}
+        # with 3 groups on 2 replicas, every group hashes to one replica in about 1 run of 4: it served none
+        assert served == {name: count for name, count in completed.items() if count}
         # One request at a time: a request finds its system prompt's 31 full blocks cached if an earlier one of
         # its group ran on its replica, and nothing if none did (groups differ from their first block on).
         first, repeated = set(), []
