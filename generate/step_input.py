@@ -62,15 +62,23 @@ def upload(device: torch.device, **arrays: list[int]) -> dict[str, torch.Tensor]
 
 
 def reference_groups(seqs: list[Sequence], block_size: int, device: torch.device) -> list[AttentionGroup]:
-    """The reference backend's attention groups: multi-token chunks together, single rows together."""
+    """The reference backend's attention groups: multi-token chunks together, single rows by context length.
+
+    Every sequence of a group is padded to the group's longest context, and gathering and
+    attending over padding costs as much as over keys. Single rows go to groups by the power of
+    two their block count rounds up to, so no row is padded to more than twice its context.
+    """
     chunks = [s for s in seqs if s.num_scheduled_tokens > 1]
     assert seqs[: len(chunks)] == chunks, "multi-token chunks must come first"
-    groups = []
-    if chunks:
-        groups.append(_chunk_group(chunks, block_size))
-    if len(chunks) < len(seqs):
-        first_row = sum(s.num_scheduled_tokens for s in chunks)
-        groups.append(_single_row_group(seqs[len(chunks) :], block_size, first_row))
+    groups = [_chunk_group(chunks, block_size)] if chunks else []
+    first_row = sum(s.num_scheduled_tokens for s in chunks)
+    buckets: dict[int, list[tuple[int, Sequence]]] = {}  # block count rounded up to a power of two -> rows
+    for row, seq in enumerate(seqs[len(chunks) :], start=first_row):
+        blocks = -(-(seq.num_computed_tokens + 1) // block_size)
+        buckets.setdefault(1 << (blocks - 1).bit_length(), []).append((row, seq))
+    for bucket in buckets.values():
+        rows, members = zip(*bucket)
+        groups.append(_single_row_group(list(members), block_size, list(rows)))
     to = dict(device=device, non_blocking=True)
     return [AttentionGroup(*(t if t is None else t.to(**to) for t in g)) for g in groups]
 
@@ -83,11 +91,11 @@ def _key_blocks(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, to
     return torch.tensor([t + [0] * (width - len(t)) for t in tables]), context  # [B, nb], [B]
 
 
-def _single_row_group(seqs: list[Sequence], block_size: int, first_row: int) -> tuple:
+def _single_row_group(seqs: list[Sequence], block_size: int, rows: list[int]) -> tuple:
     key_blocks, context = _key_blocks(seqs, block_size)  # [B, nb], [B]
-    query_index = torch.arange(first_row, first_row + len(seqs)).unsqueeze(1)  # [B, 1]
+    out_rows = torch.tensor(rows)  # [B]
     mask = torch.arange(key_blocks.shape[1] * block_size) < context.unsqueeze(1)  # [B, Lk]
-    return query_index, key_blocks, mask[:, None, None, :], None  # mask [B, 1, 1, Lk]
+    return out_rows.unsqueeze(1), key_blocks, mask[:, None, None, :], None, out_rows  # mask [B, 1, 1, Lk]
 
 
 def _chunk_group(seqs: list[Sequence], block_size: int) -> tuple:
@@ -104,4 +112,4 @@ def _chunk_group(seqs: list[Sequence], block_size: int) -> tuple:
     # at least (so no NaN) and their rows are dropped.
     mask = key_pos <= query_pos.unsqueeze(2)  # [B, Lq, Lk]
     valid_rows = real.flatten().nonzero().squeeze(1)  # [rows]
-    return query_index, key_blocks, mask.unsqueeze(1), valid_rows
+    return query_index, key_blocks, mask.unsqueeze(1), valid_rows, torch.arange(int(new.sum()))

@@ -40,15 +40,16 @@ class PagedInputs:
 class AttentionGroup:
     """Sequences of one step that attend together, padded to a common shape.
 
-    Sequences with several new tokens (prompt chunks) form one group and single-token rows
-    another, so a 500-token chunk never pads 100 decodes. Each group's query rows are a
-    contiguous range of the flat batch.
+    Sequences with several new tokens (prompt chunks) form one group, and single-token rows
+    groups of similar context length, so a 500-token chunk never pads 100 decodes and one
+    1000-token context never pads 100 short ones.
     """
 
     query_index: torch.Tensor  # [B, Lq] flat row of each query (padding points at row 0)
     key_blocks: torch.Tensor  # [B, nb] cache blocks holding each sequence's keys (padding: block 0)
     mask: torch.Tensor  # [B, 1, Lq, Lk] True where the query may attend; Lk = nb * block size
-    valid_rows: torch.Tensor | None  # [N] rows of the [B*Lq] padded output that are real
+    valid_rows: torch.Tensor | None  # [N] rows of the [B*Lq] padded output that are real (None: all)
+    out_rows: torch.Tensor  # [N] the step's rows those outputs are
 
 
 class GatherSpace:
@@ -75,12 +76,17 @@ class GatherSpace:
 
 @dataclass(slots=True)
 class ReferenceAttention:
-    groups: list[AttentionGroup]  # covering the step's rows 0..T-1 in order
+    groups: list[AttentionGroup]  # their out_rows cover the step's rows 0..T-1, each once
     space: GatherSpace
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         outputs = [self._attend_group(q, k_cache, v_cache, group) for group in self.groups]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [T, C]
+        if len(outputs) == 1:
+            return outputs[0]  # [T, C] one group holds every row, in order
+        out = outputs[0].new_empty((q.shape[0], outputs[0].shape[1]))  # [T, C]
+        for group, y in zip(self.groups, outputs):
+            out[group.out_rows] = y
+        return out
 
     def _attend_group(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
         B, Lq = group.query_index.shape

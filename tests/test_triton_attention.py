@@ -7,6 +7,7 @@ and graph capture and replay.
 
 import pytest
 import torch
+from attention_oracle import SHAPES, D, H, dense_attention, scheduled
 from conftest import random_prompts
 from test_model import make_engine
 
@@ -14,51 +15,11 @@ pytest.importorskip("triton", reason="the Triton kernel needs the triton package
 
 from generate.cuda_graphs import batch_ladder  # noqa: E402
 from generate.sequence import SamplingParams, Sequence  # noqa: E402
-from generate.step_input import build_step_inputs, reference_groups  # noqa: E402
-from model.attention import ReferenceAttention  # noqa: E402
+from generate.step_input import build_step_inputs  # noqa: E402
 from model.triton_attention import TritonAttention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-H, D = 4, 64  # GPT-2's head dimension
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def scheduled(block_size: int, num_blocks: int, shapes: list[tuple[int, int]], seed: int) -> list[Sequence]:
-    """Sequences with `context` tokens of which the last `chunk` are scheduled, over shuffled blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    seqs = []
-    for chunk, context in shapes:
-        seq = Sequence([1] * context)
-        needed = -(-context // block_size)
-        seq.block_table, free = free[:needed], free[needed:]
-        seq.num_computed_tokens, seq.num_scheduled_tokens = context - chunk, chunk
-        seqs.append(seq)
-    return sorted(seqs, key=lambda s: s.num_scheduled_tokens == 1)  # chunks first, as the engine orders them
-
-
-def dense_attention(q, k_cache, v_cache, seqs, block_size) -> torch.Tensor:
-    """Causal attention of each sequence's rows over its keys, in float64, written from scratch."""
-    outputs, row = [], 0
-    for seq in seqs:
-        n, context = seq.num_scheduled_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-        blocks = torch.tensor(seq.block_table)
-        k = k_cache[blocks].reshape(-1, H, D)[:context].double()  # [context, H, D]
-        v = v_cache[blocks].reshape(-1, H, D)[:context].double()
-        scores = torch.einsum("qhd,khd->hqk", q[row : row + n].double(), k) / D**0.5
-        query_pos = torch.arange(context - n, context)
-        scores = scores.masked_fill(torch.arange(context)[None, None, :] > query_pos[None, :, None], float("-inf"))
-        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, H * D))
-        row += n
-    return torch.cat(outputs)
-
-
-SHAPES = {
-    "decodes": [(1, 1), (1, 15), (1, 16), (1, 17), (1, 64), (1, 300)],
-    "full context": [(1, 1024), (1, 2)],
-    "chunks": [(7, 7), (16, 32), (33, 40), (5, 16), (1, 9), (1, 48)],
-    "whole prompt": [(1024, 1024)],
-}
 
 
 CASES = [
@@ -83,15 +44,6 @@ def test_kernel_equals_dense_attention(shapes, dtype, block_size):
     paged = build_step_inputs(seqs, block_size, DEVICE).paged
     got = TritonAttention(paged).attend(q, *caches).double().cpu()
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    if dtype == torch.float32:  # the reference backend agrees with the same oracle
-        reference = ReferenceAttention(reference_groups(seqs, block_size, DEVICE), space=make_space())
-        torch.testing.assert_close(reference.attend(q, *caches).double().cpu(), expected, atol=1e-5, rtol=1e-5)
-
-
-def make_space():
-    from model.attention import GatherSpace
-
-    return GatherSpace()
 
 
 def test_batch_ladder_and_bucket_choice(tiny_checkpoint):

@@ -1,0 +1,38 @@
+"""The reference attention backend (gather + scaled_dot_product_attention) against attention written from scratch."""
+
+import pytest
+import torch
+from attention_oracle import SHAPES, D, H, dense_attention, scheduled
+
+from generate.step_input import reference_groups
+from model.attention import GatherSpace, ReferenceAttention
+
+CPU = torch.device("cpu")
+# decodes whose contexts are far apart, interleaved, beside a chunk: several groups whose rows are not contiguous
+MIXED = [(40, 100), (1, 300), (1, 1), (1, 1024), (1, 17), (1, 33), (1, 2), (1, 64), (1, 16), (1, 1000)]
+
+
+@pytest.mark.parametrize("shapes", [*SHAPES, "mixed"])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_reference_equals_dense_attention(shapes, block_size):
+    seqs = scheduled(block_size, num_blocks=1200, shapes=SHAPES.get(shapes, MIXED), seed=len(shapes))
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn((1200, block_size, H, D), generator=gen) for _ in range(2)]
+    rows = sum(s.num_scheduled_tokens for s in seqs)
+    q = torch.randn((rows, H, D), generator=gen)
+    groups = reference_groups(seqs, block_size, CPU)
+    got = ReferenceAttention(groups, GatherSpace()).attend(q, *caches)
+    torch.testing.assert_close(got.double(), dense_attention(q, *caches, seqs, block_size), atol=1e-5, rtol=1e-5)
+    assert sorted(torch.cat([g.out_rows for g in groups]).tolist()) == list(range(rows)), "every row exactly once"
+
+
+def test_a_long_context_does_not_pad_short_decodes():
+    block_size = 16
+    seqs = scheduled(block_size, num_blocks=1200, shapes=MIXED, seed=1)
+    first_row = seqs[0].num_scheduled_tokens  # MIXED has one chunk, which comes first
+    context_blocks = {first_row + i: -(-(s.num_computed_tokens + 1) // block_size) for i, s in enumerate(seqs[1:])}
+    decode_groups = [g for g in reference_groups(seqs, block_size, CPU) if g.valid_rows is None]
+    assert len(decode_groups) > 1
+    for group in decode_groups:
+        width = group.key_blocks.shape[1]  # every row of the group is padded to this many blocks
+        assert all(width < 2 * context_blocks[row] for row in group.out_rows.tolist())
