@@ -62,54 +62,39 @@ def upload(device: torch.device, **arrays: list[int]) -> dict[str, torch.Tensor]
 
 
 def reference_groups(seqs: list[Sequence], block_size: int, device: torch.device) -> list[AttentionGroup]:
-    """The reference backend's attention groups: multi-token chunks together, single rows by context length.
+    """The reference backend's attention groups: chunks and single rows apart, each by context length.
 
-    Every sequence of a group is padded to the group's longest context, and gathering and
-    attending over padding costs as much as over keys. Single rows go to groups by the power of
-    two their block count rounds up to, so no row is padded to more than twice its context.
+    Every sequence of a group is padded to the group's longest chunk and context, and gathering
+    and attending over padding costs as much as over keys. So multi-token chunks and single rows
+    group apart (a 500-token chunk never pads 100 decodes), and each by the power of two its
+    block count rounds up to (no sequence is padded to more than twice its context).
     """
-    chunks = [s for s in seqs if s.num_scheduled_tokens > 1]
-    assert seqs[: len(chunks)] == chunks, "multi-token chunks must come first"
-    groups = [_chunk_group(chunks, block_size)] if chunks else []
-    first_row = sum(s.num_scheduled_tokens for s in chunks)
-    buckets: dict[int, list[tuple[int, Sequence]]] = {}  # block count rounded up to a power of two -> rows
-    for row, seq in enumerate(seqs[len(chunks) :], start=first_row):
-        blocks = -(-(seq.num_computed_tokens + 1) // block_size)
-        buckets.setdefault(1 << (blocks - 1).bit_length(), []).append((row, seq))
-    for bucket in buckets.values():
-        rows, members = zip(*bucket)
-        groups.append(_single_row_group(list(members), block_size, list(rows)))
+    buckets: dict[tuple[bool, int], list[tuple[int, Sequence]]] = {}  # -> (first row, sequence)
+    row = 0
+    for seq in seqs:
+        blocks = -(-(seq.num_computed_tokens + seq.num_scheduled_tokens) // block_size)
+        buckets.setdefault((seq.num_scheduled_tokens > 1, 1 << (blocks - 1).bit_length()), []).append((row, seq))
+        row += seq.num_scheduled_tokens
+    groups = [_group(*zip(*members), block_size) for members in buckets.values()]
     to = dict(device=device, non_blocking=True)
     return [AttentionGroup(*(t if t is None else t.to(**to) for t in g)) for g in groups]
 
 
-def _key_blocks(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's blocks up to the end of its chunk, padded with block 0; and those context lengths."""
+def _group(first_rows: tuple[int, ...], seqs: tuple[Sequence, ...], block_size: int) -> tuple:
+    """One group's padded query rows, key blocks and causal mask, and which of its outputs are which rows."""
     context = torch.tensor([s.num_computed_tokens + s.num_scheduled_tokens for s in seqs])  # [B]
     width = -(-int(context.max()) // block_size)
     tables = [s.block_table[:width] for s in seqs]
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables]), context  # [B, nb], [B]
-
-
-def _single_row_group(seqs: list[Sequence], block_size: int, rows: list[int]) -> tuple:
-    key_blocks, context = _key_blocks(seqs, block_size)  # [B, nb], [B]
-    out_rows = torch.tensor(rows)  # [B]
-    mask = torch.arange(key_blocks.shape[1] * block_size) < context.unsqueeze(1)  # [B, Lk]
-    return out_rows.unsqueeze(1), key_blocks, mask[:, None, None, :], None, out_rows  # mask [B, 1, 1, Lk]
-
-
-def _chunk_group(seqs: list[Sequence], block_size: int) -> tuple:
-    key_blocks, context = _key_blocks(seqs, block_size)  # [B, nb], [B]
+    key_blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, nb] padded with block 0
     new = torch.tensor([s.num_scheduled_tokens for s in seqs])  # [B]
-    first_row = torch.cumsum(new, 0) - new  # [B]
-    longest = int(new.max())
-    i = torch.arange(longest)  # query offsets
+    i = torch.arange(int(new.max()))  # query offsets
     real = i < new.unsqueeze(1)  # [B, Lq]
-    query_index = torch.where(real, first_row.unsqueeze(1) + i, 0)  # [B, Lq]
+    query_index = torch.where(real, torch.tensor(first_rows).unsqueeze(1) + i, 0)  # [B, Lq]
     query_pos = context.unsqueeze(1) - new.unsqueeze(1) + i  # [B, Lq] position of each query
-    key_pos = torch.arange(key_blocks.shape[1] * block_size)  # [Lk]
+    key_pos = torch.arange(width * block_size)  # [Lk]
     # Causal, which also hides padded keys from real queries; padded queries see key 0
     # at least (so no NaN) and their rows are dropped.
     mask = key_pos <= query_pos.unsqueeze(2)  # [B, Lq, Lk]
-    valid_rows = real.flatten().nonzero().squeeze(1)  # [rows]
-    return query_index, key_blocks, mask.unsqueeze(1), valid_rows, torch.arange(int(new.sum()))
+    valid_rows = None if bool(real.all()) else real.flatten().nonzero().squeeze(1)  # [rows]
+    out_rows = query_index.flatten() if valid_rows is None else query_index.flatten()[valid_rows]  # [rows]
+    return query_index, key_blocks, mask.unsqueeze(1), valid_rows, out_rows

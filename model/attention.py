@@ -40,9 +40,9 @@ class PagedInputs:
 class AttentionGroup:
     """Sequences of one step that attend together, padded to a common shape.
 
-    Sequences with several new tokens (prompt chunks) form one group, and single-token rows
-    groups of similar context length, so a 500-token chunk never pads 100 decodes and one
-    1000-token context never pads 100 short ones.
+    Sequences with several new tokens (prompt chunks) and single-token rows group apart, and
+    each by context length, so a 500-token chunk never pads 100 decodes and one 1000-token
+    context never pads 100 short ones.
     """
 
     query_index: torch.Tensor  # [B, Lq] flat row of each query (padding points at row 0)

@@ -8,8 +8,9 @@ from generate.step_input import reference_groups
 from model.attention import GatherSpace, ReferenceAttention
 
 CPU = torch.device("cpu")
-# decodes whose contexts are far apart, interleaved, beside a chunk: several groups whose rows are not contiguous
-MIXED = [(40, 100), (1, 300), (1, 1), (1, 1024), (1, 17), (1, 33), (1, 2), (1, 64), (1, 16), (1, 1000)]
+# chunks and decodes whose contexts are far apart, interleaved: several groups whose rows are not contiguous
+MIXED = [(40, 100), (5, 900), (3, 120), (300, 310), (7, 20), (1, 300), (1, 1), (1, 1024), (1, 17), (1, 33), (1, 2)]
+MIXED += [(1, 64), (1, 16), (1, 1000)]
 
 
 @pytest.mark.parametrize("shapes", [*SHAPES, "mixed"])
@@ -26,13 +27,16 @@ def test_reference_equals_dense_attention(shapes, block_size):
     assert sorted(torch.cat([g.out_rows for g in groups]).tolist()) == list(range(rows)), "every row exactly once"
 
 
-def test_a_long_context_does_not_pad_short_decodes():
+def test_no_sequence_is_padded_to_twice_its_context():
     block_size = 16
     seqs = scheduled(block_size, num_blocks=1200, shapes=MIXED, seed=1)
-    first_row = seqs[0].num_scheduled_tokens  # MIXED has one chunk, which comes first
-    context_blocks = {first_row + i: -(-(s.num_computed_tokens + 1) // block_size) for i, s in enumerate(seqs[1:])}
-    decode_groups = [g for g in reference_groups(seqs, block_size, CPU) if g.valid_rows is None]
-    assert len(decode_groups) > 1
-    for group in decode_groups:
-        width = group.key_blocks.shape[1]  # every row of the group is padded to this many blocks
-        assert all(width < 2 * context_blocks[row] for row in group.out_rows.tolist())
+    rows, first = {}, 0  # step row -> the blocks its sequence's context fills
+    for seq in seqs:
+        blocks = -(-(seq.num_computed_tokens + seq.num_scheduled_tokens) // block_size)
+        rows |= {r: blocks for r in range(first, first + seq.num_scheduled_tokens)}
+        first += seq.num_scheduled_tokens
+    groups = reference_groups(seqs, block_size, CPU)
+    assert sum(g.query_index.shape[1] == 1 for g in groups) > 1, "decodes of far-apart contexts group apart"
+    for group in groups:
+        width = group.key_blocks.shape[1]  # every sequence of the group is padded to this many blocks
+        assert all(width < 2 * rows[r] for r in group.out_rows.tolist())
