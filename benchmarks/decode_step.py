@@ -30,7 +30,6 @@ from generate.sequence import SamplingParams, Sequence
 from model.gpt2 import GPT, PRESETS
 from model.loader import load_model
 
-H100_SXM_BANDWIDTH = 3.35e12  # bytes/s, HBM3 (datasheet); what the README's floor figures assume
 BLOCK_SIZE = 16
 WARMUP_STEPS = 3  # past the first decode step: every code path and graph bucket in use
 
@@ -41,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,32,128,256")
     parser.add_argument("--context", type=int, default=200, help="tokens in each sequence's cache when timing starts")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
-    parser.add_argument("--bandwidth", type=float, help="bytes/s for the floor (default: H100 SXM; CPU: measured)")
+    parser.add_argument("--bandwidth", type=float, help="bytes/s for the floor (default: a large copy's, measured)")
     return parser.parse_args()
 
 
@@ -53,32 +52,49 @@ def step_bytes(model: GPT, dtype: torch.dtype, batch: int, context: int) -> int:
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a large tensor copy (read + write): the CPU's practical memory bandwidth."""
-    src = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+    """Bytes/s of a large tensor copy (read + write): the device's practical memory bandwidth.
+
+    No kernel reaches a datasheet's figure, so the floor is what a copy of far more than the caches
+    achieves on this device.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    src = torch.randint(0, 256, (512 * 2**20 if device.type == "cuda" else 64 * 2**20,), dtype=torch.uint8)
+    src = src.to(device)
     dst = torch.empty_like(src)
     dst.copy_(src)
+    sync()
     start = time.perf_counter()
     for _ in range(10):
         dst.copy_(src)
+    sync()
     return 2 * 10 * src.numel() / (time.perf_counter() - start)
 
 
-def make_engine(model: GPT, settings: Settings, batch: int, tokens: int) -> Engine:
-    """An engine whose pool holds the whole batch at `tokens` each, and whose budget lets all of it decode at once."""
-    needed = batch * -(-tokens // BLOCK_SIZE)
+def make_engine(model: GPT, settings: Settings, batch: int, context: int, steps: int) -> tuple[Engine, int]:
+    """An engine whose budget lets the whole batch decode at once, and whose pool holds every sequence to
+    its end; with the tokens each sequence generates, so that none ends before the timed steps are done.
+
+    The first prompts decode while the last are prefilled. Those decodes take at most batch - 1 of
+    a step's budget, and the budget is at least twice the batch, so the prefill's steps are bounded.
+    """
+    budget = max(2 * batch, settings.batch_token_budget(model.wte.weight.is_cuda, model.config.n_positions))
+    prefill_steps = -(-batch * context // (budget - batch + 1))
+    new_tokens = prefill_steps + WARMUP_STEPS + steps + 2
+    assert context + new_tokens <= model.config.n_positions, f"{context} + {new_tokens} tokens exceed the context"
+    needed = batch * -(-(context + new_tokens) // BLOCK_SIZE)
     blocks = needed + needed // 50 + 2  # room for the scheduler's admission watermark
-    on_gpu = model.wte.weight.is_cuda
-    budget = max(batch, settings.batch_token_budget(on_gpu, model.config.n_positions))
     settings = replace(
         settings, block_size=BLOCK_SIZE, kv_cache_blocks=blocks, max_batch_size=batch, max_batch_tokens=budget
     )
-    return Engine(ModelRunner.from_settings(model, blocks, settings), blocks, settings, "bench")
+    return Engine(ModelRunner.from_settings(model, blocks, settings), blocks, settings, "bench"), new_tokens
 
 
-def time_decode(engine: Engine, model: GPT, batch: int, context: int, steps: int) -> tuple[float, dict[str, float]]:
+def time_decode(
+    engine: Engine, model: GPT, batch: int, context: int, steps: int, new_tokens: int
+) -> tuple[float, dict[str, float]]:
     """Mean seconds per decode step of `batch` sequences at `context`, and the mean seconds per stage."""
     gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + 2, temperature=0)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0)
     for _ in range(batch):
         prompt = torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
         engine.add(Sequence(prompt, params))
@@ -107,16 +123,16 @@ def main() -> None:
     settings = Settings.from_env()
     device, dtype = device_and_dtype(settings)
     model = load_model(f"random:{args.model}", device, dtype).model
-    bandwidth = args.bandwidth or (H100_SXM_BANDWIDTH if device.type == "cuda" else copy_bandwidth(device))
+    bandwidth = args.bandwidth or copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"{args.model} (random weights) on {name}, {dtype}, torch {torch.__version__}")
     print(f"contexts of {args.context} tokens; the floor at {bandwidth / 1e9:.0f} GB/s")
     for i, batch in enumerate(int(b) for b in args.batch_sizes.split(",")):
-        engine = make_engine(model, settings, batch, args.context + args.steps + WARMUP_STEPS + 2)
+        engine, new_tokens = make_engine(model, settings, batch, args.context, args.steps)
         if i == 0:
             print(f"attention: {engine.runner.attention}; CUDA graphs: {'on' if engine.runner.graphs else 'off'}")
             print("batch | step ms |   tok/s | floor ms | floor/step | schedule | build | forward | sample (ms)")
-        seconds, stages = time_decode(engine, model, batch, args.context, args.steps)
+        seconds, stages = time_decode(engine, model, batch, args.context, args.steps, new_tokens)
         floor = step_bytes(model, dtype, batch, args.context) / bandwidth
         parts = " | ".join(
             f"{1000 * stages.get(stage, 0.0):.2f}" for stage in ("schedule", "build", "forward", "sample")
