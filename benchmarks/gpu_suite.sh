@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.." || exit
 
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1  # no progress bars in the logs
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
