@@ -38,13 +38,15 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2-medium", choices=sorted(PRESETS), help="preset, random weights")
     parser.add_argument("--batch-sizes", default="1,32,128,256")
-    parser.add_argument("--context", type=int, default=200, help="tokens in each sequence's cache when timing starts")
+    parser.add_argument(
+        "--context", type=int, default=200, help="prompt tokens per sequence (the table gives the mean context timed)"
+    )
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     parser.add_argument("--bandwidth", type=float, help="bytes/s for the floor (default: a large copy's, measured)")
     return parser.parse_args()
 
 
-def step_bytes(model: GPT, dtype: torch.dtype, batch: int, context: int) -> int:
+def step_bytes(model: GPT, dtype: torch.dtype, batch: int, context: float) -> float:
     """What one decode step must move: every weight once, each sequence's cache read, its new key/value written."""
     element = torch.tensor([], dtype=dtype).element_size()
     weights = sum(p.numel() for p in model.parameters()) * element  # the tied LM head is counted once
@@ -91,8 +93,9 @@ def make_engine(model: GPT, settings: Settings, batch: int, context: int, steps:
 
 def time_decode(
     engine: Engine, model: GPT, batch: int, context: int, steps: int, new_tokens: int
-) -> tuple[float, dict[str, float]]:
-    """Mean seconds per decode step of `batch` sequences at `context`, and the mean seconds per stage."""
+) -> tuple[float, dict[str, float], float]:
+    """Mean seconds per decode step of `batch` sequences of `context` prompt tokens, the mean seconds per
+    stage, and the mean context the timed steps attended over (prompt and what was decoded by then)."""
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=new_tokens, temperature=0)
     for _ in range(batch):
@@ -106,16 +109,18 @@ def time_decode(
     sync = torch.cuda.synchronize if model.wte.weight.is_cuda else lambda: None
     sync()
     first = engine.num_steps + 1
+    tokens_before = sum(len(s.token_ids) for s in engine.scheduler.running)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync()
     seconds = (time.perf_counter() - start) / steps
+    mean_context = (2 * tokens_before + batch * (steps - 1)) / (2 * batch)
     records = [r for r in engine.step_log.since(first - 1)]
     stages = {name: statistics.mean(r.stages.get(name, 0.0) for r in records) for name in records[0].stages}
     while engine.has_work():
         engine.step()
-    return seconds, stages
+    return seconds, stages, mean_context
 
 
 def main() -> None:
@@ -126,19 +131,21 @@ def main() -> None:
     bandwidth = args.bandwidth or copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"{args.model} (random weights) on {name}, {dtype}, torch {torch.__version__}")
-    print(f"contexts of {args.context} tokens; the floor at {bandwidth / 1e9:.0f} GB/s")
+    print(f"prompts of {args.context} tokens; the floor at {bandwidth / 1e9:.0f} GB/s")
     for i, batch in enumerate(int(b) for b in args.batch_sizes.split(",")):
         engine, new_tokens = make_engine(model, settings, batch, args.context, args.steps)
         if i == 0:
             print(f"attention: {engine.runner.attention}; CUDA graphs: {'on' if engine.runner.graphs else 'off'}")
-            print("batch | step ms |   tok/s | floor ms | floor/step | schedule | build | forward | sample (ms)")
-        seconds, stages = time_decode(engine, model, batch, args.context, args.steps, new_tokens)
-        floor = step_bytes(model, dtype, batch, args.context) / bandwidth
+            print(
+                "batch | context | step ms |   tok/s | floor ms | floor/step | schedule | build | forward | sample (ms)"
+            )
+        seconds, stages, context = time_decode(engine, model, batch, args.context, args.steps, new_tokens)
+        floor = step_bytes(model, dtype, batch, context) / bandwidth
         parts = " | ".join(
             f"{1000 * stages.get(stage, 0.0):.2f}" for stage in ("schedule", "build", "forward", "sample")
         )
         print(
-            f"{batch:>5} | {1000 * seconds:7.2f} | {batch / seconds:7.0f} | {1000 * floor:8.3f} | "
+            f"{batch:>5} | {context:7.0f} | {1000 * seconds:7.2f} | {batch / seconds:7.0f} | {1000 * floor:8.3f} | "
             f"{100 * floor / seconds:9.1f}% | {parts}"
         )
         model.kv_cache = None  # the next engine allocates its own pool

@@ -17,6 +17,7 @@ def test_times_each_batch_size_with_the_whole_batch_decoding():
     lines = run.stdout.splitlines()
     rows = [[cell.strip() for cell in line.split("|")] for line in lines if line[:5].strip().isdigit()]
     assert [int(row[0]) for row in rows] == [1, 8]
-    for batch, step_ms, tokens_per_s, floor_ms, *_ in rows:
+    for batch, context, step_ms, tokens_per_s, floor_ms, *_ in rows:
+        assert 100 < float(context) < 130  # the prompt, and what the timed steps decoded after it
         assert abs(float(tokens_per_s) - int(batch) * 1000 / float(step_ms)) <= 1  # both printed rounded
         assert 0 < float(floor_ms) < float(step_ms)  # no CPU step reaches its memory floor
