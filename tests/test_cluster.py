@@ -337,7 +337,9 @@ class Sent(NamedTuple):
 
 class Load:
     """Clients sending through the balancer, each one request after another until stopped, every other one
-    streamed; it knows which streams are open on which replica (their headers name it)."""
+    streamed; it knows which streams are open on which replica (their headers name it). Each prompt starts
+    with its client and number, so every request has a key of its own: requests of both kinds reach both
+    replicas, however the replicas' random ports place them on the hash ring."""
 
     STREAMED_TOKENS, WHOLE_TOKENS = 100, 40
 
@@ -352,7 +354,7 @@ class Load:
         for i in itertools.count():
             if self.stop.is_set():
                 return
-            self.results.append(self._send(f"Client {c} asks question {i}:", streamed=(c + i) % 2 == 0))
+            self.results.append(self._send(f"{c}.{i} is a question:", streamed=(c + i) % 2 == 0))
 
     def _send(self, prompt: str, streamed: bool) -> Sent:
         tokens = self.STREAMED_TOKENS if streamed else self.WHOLE_TOKENS
