@@ -12,7 +12,7 @@
 # /tmp/site first. Each stage writes one log and, for the benchmarks, one .tar.gz of the
 # results directory into $OUT (default results/gpu), and the last lines it prints are a table
 # of what ran, how long it took and whether it passed (also in $OUT/summary.txt). A failing step
-# does not stop the rest. At most six files reach $OUT, which a device call can bring back.
+# does not stop the rest. At most six files reach $OUT, to be copied back from the GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 

@@ -29,13 +29,12 @@ def test_parts_from_float32_only_where_rounding_could(tiny_checkpoint, hf_model,
     engine = Engine.from_settings(
         Settings(model=str(tiny_checkpoint), dtype=dtype, block_size=4, kv_cache_blocks=512, max_batch_tokens=24)
     )
-    hf_half = GPT2LMHeadModel.from_pretrained(tiny_checkpoint, dtype=getattr(torch, dtype)).eval()
+    hf_half = GPT2LMHeadModel.from_pretrained(tiny_checkpoint).to(getattr(torch, dtype)).eval()
     (prefix,) = random_prompts([9], seed=41)  # shared by half the prompts: read from the prefix cache
     prompts = random_prompts([1, 7, 30, 64, 100, 200], seed=42) + random_prompts([3, 20, 50], seed=43, prefix=prefix)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0))
     assert engine.scheduler.prompt_tokens_cached > 0
 
-    partings = []  # (prompt length, first token that differs, float32 lead there, rounding)
     for prompt, output in zip(prompts, outputs):
         reference = hf_greedy(prompt, NUM_TOKENS)
         at = next((i for i, (a, b) in enumerate(zip(output, reference)) if a != b), None)
@@ -47,7 +46,6 @@ def test_parts_from_float32_only_where_rounding_could(tiny_checkpoint, hf_model,
             rounded = hf_half(context).logits[0, -1].float()  # [V]
         lead = (exact[reference[at]] - exact[output[at]]).item()
         rounding = (rounded - exact).abs().max().item()
-        partings.append((len(prompt), at, lead, rounding))
         assert lead <= rounding, (
             f"{dtype}: a {len(prompt)}-token prompt parts from float32 at token {at}, where float32 led by "
             f"{lead:.4f} ({lead / exact[reference[at]].abs().item():.1e} of its logit); transformers' own "
