@@ -53,22 +53,27 @@ def step_bytes(model: GPT, dtype: torch.dtype, batch: int, context: float) -> fl
     return weights + batch * (context + 1) * model.config.kv_bytes_per_token(dtype)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs it asynchronously; the CPU already has)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large tensor copy (read + write): the device's practical memory bandwidth.
 
     No kernel reaches a datasheet's figure, so the floor is what a copy of far more than the caches
     achieves on this device.
     """
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     src = torch.randint(0, 256, (512 * 2**20 if device.type == "cuda" else 64 * 2**20,), dtype=torch.uint8)
     src = src.to(device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    sync()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(10):
         dst.copy_(src)
-    sync()
+    synchronize(device)
     return 2 * 10 * src.numel() / (time.perf_counter() - start)
 
 
@@ -106,14 +111,13 @@ def time_decode(
     for _ in range(WARMUP_STEPS):
         engine.step()
     assert len(engine.scheduler.running) == batch, "the whole batch must decode together"
-    sync = torch.cuda.synchronize if model.wte.weight.is_cuda else lambda: None
-    sync()
+    synchronize(model.wte.weight.device)
     first = engine.num_steps + 1
     tokens_before = sum(len(s.token_ids) for s in engine.scheduler.running)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    sync()
+    synchronize(model.wte.weight.device)
     seconds = (time.perf_counter() - start) / steps
     mean_context = (2 * tokens_before + batch * (steps - 1)) / (2 * batch)
     records = [r for r in engine.step_log.since(first - 1)]

@@ -53,7 +53,7 @@ check() {
   step versions 60 "$PY" -c "import sys, torch, triton, transformers as t; print(sys.version, 'torch', torch.__version__,
 torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__, 'transformers', t.__version__)"
   # Greedy output against transformers through the kernel and graph capture, in float32 and in half
-  # precision; then every mode and the API through real servers on the GPU's defaults.
+  # precision; then every mode and the API through real servers (kernel and graphs, in float32).
   step cuda-tests 300 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_half_precision.py tests/test_model.py tests/test_forks.py \
     tests/test_prefix_cache.py tests/test_chunked_prefill.py tests/test_prompt_logprobs.py \
