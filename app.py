@@ -6,12 +6,11 @@ import logging
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import chat, dashboard, openai, simple, tokenize
+from api import chat, dashboard, openai, simple, stats, tokenize
 from api.chat_template import ChatTemplate
 from api.json_body import StrictJSONProvider, require_json
 from api.serving import Server
 from api.validation import ApiError
-from batching.live import server_stats
 from batching.manager import BatchingManager
 from config import Settings
 from generate.engine import Engine
@@ -38,7 +37,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json = StrictJSONProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["server"] = Server(settings, engine, manager, load_tokenizer(), template)
-    for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes, dashboard.routes):
+    for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes, dashboard.routes, stats.routes):
         app.register_blueprint(blueprint)
 
     @app.errorhandler(ApiError)
@@ -55,7 +54,8 @@ def create_app(settings: Settings | None = None) -> Flask:
             return None
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").encode()
         if not hmac.compare_digest(given, settings.api_key.encode()):
-            raise ApiError(401, "a valid 'Authorization: Bearer <API_KEY>' header is required", "authentication_error")
+            message = "a valid 'Authorization: Bearer <API_KEY>' header is required"
+            raise ApiError(401, message, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
         return None
 
     @app.before_request
@@ -68,15 +68,6 @@ def create_app(settings: Settings | None = None) -> Flask:
         """Behind a load balancer, every response says which replica answered it."""
         response.headers["X-Replica"] = settings.replica
         return response
-
-    @app.get("/stats")
-    def stats():
-        return jsonify(server_stats(manager))
-
-    @app.get("/metrics")
-    def metrics():
-        body, content_type = manager.metrics.render()
-        return Response(body, content_type=content_type)
 
     @app.get("/health")
     def health():

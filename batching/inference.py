@@ -34,7 +34,9 @@ class Inference:
     seq: Sequence = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)  # set exactly once
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # the start of the step that first scheduled it (monotonic)
     first_token_at: float | None = None
+    last_token_at: float | None = None  # its latest generated token, for the gap to the next one
     finished_at: float | None = None
     error: str | None = None
     # the loop thread's view, for request events: the phase it last recorded, preemptions seen

@@ -1,16 +1,30 @@
-"""The server's live values in one table, which /stats, /metrics and the timeline all render.
+"""The server's live values in one home: the manager writes to it, /stats, /metrics, the timeline
+and vLLM's metric names read from it.
 
-Each row reads one figure when asked (queues from the manager, the KV pool from the block
-manager, counters from the scheduler and engine), so a value added here shows up under its
-/stats key and, if it has one, its Prometheus name, and the two can never disagree.
+Three kinds of value, one table:
+  rows (LIVE_VALUES)  a figure read when asked: queues, KV blocks and engine counters, and the
+                      since-start counts of Stats; each has a /stats key, a Prometheus name and,
+                      where vLLM has one, vLLM's name. A new counter is one more row: keep the
+                      count where it is counted and give the row a reader (labelled counters
+                      read a {label value: count} dict).
+  histograms          request latencies and lengths (histograms.py), observed as tokens arrive
+                      and requests end.
+  the window          latency and throughput over the last TIMELINE_WINDOW_S seconds (window.py).
+This module imports nothing above it: the manager hands it the engine and a reader of its queue.
 """
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from batching.manager import BatchingManager
+from batching.histograms import HISTOGRAMS, SECONDS, Histogram, token_buckets
+from batching.inference import Inference
+from batching.stats import Stats, outcome
+from batching.window import StepTokens, Window
+from generate.engine import Engine
+
+Reading = float | dict[str, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,13 +33,20 @@ class LiveValue:
     metric: str | None  # Prometheus name (a counter's samples get "_total"); None: JSON only
     kind: str  # "gauge" or "counter"
     help: str
-    read: Callable[["BatchingManager"], float]
+    read: Callable[["LiveTable"], Reading]
+    label: str | None = None  # a labelled value reads {label value: number}
+    vllm: tuple[str, ...] = ()  # vLLM's names for the same value, labelled model_name
 
 
-def _hit_rate(manager: "BatchingManager") -> float:
-    scheduler = manager.engine.scheduler
+def _hit_rate(live: "LiveTable") -> float:
+    scheduler = live.engine.scheduler
     admitted = scheduler.prompt_tokens_admitted
     return scheduler.prompt_tokens_cached / admitted if admitted else 0.0
+
+
+def _usage(live: "LiveTable") -> float:
+    blocks = live.engine.blocks
+    return blocks.num_used_blocks / blocks.num_blocks
 
 
 LIVE_VALUES = (
@@ -34,49 +55,59 @@ LIVE_VALUES = (
         "gpt2_requests_running",
         "gauge",
         "Sequences in the running batch",
-        lambda m: m.num_running(),
+        lambda t: len(t.engine.scheduler.running),
+        vllm=("vllm:num_requests_running",),
     ),
     LiveValue(
         "requests_waiting",
         "gpt2_requests_waiting",
         "gauge",
         "Requests waiting to be admitted",
-        lambda m: m.num_waiting(),
+        lambda t: t.num_waiting(),
+        vllm=("vllm:num_requests_waiting",),
     ),
     LiveValue(
         "kv_blocks_used",
         "gpt2_kv_blocks_used",
         "gauge",
         "KV blocks referenced by sequences",
-        lambda m: m.engine.blocks.num_used_blocks,
+        lambda t: t.engine.blocks.num_used_blocks,
     ),
     LiveValue(
         "kv_blocks_total",
         "gpt2_kv_blocks_total",
         "gauge",
         "KV blocks in the pool",
-        lambda m: m.engine.blocks.num_blocks,
+        lambda t: t.engine.blocks.num_blocks,
+    ),
+    LiveValue(
+        "kv_cache_usage",
+        "gpt2_kv_cache_usage",
+        "gauge",
+        "Share of the KV blocks referenced by sequences (0 to 1)",
+        _usage,
+        vllm=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     ),
     LiveValue(
         "kv_blocks_cached",
         "gpt2_kv_blocks_cached",
         "gauge",
         "KV blocks held by the prefix cache",
-        lambda m: m.engine.blocks.num_cached_blocks,
+        lambda t: t.engine.blocks.num_cached_blocks,
     ),
     LiveValue(
         "kv_blocks_evictable",
         "gpt2_kv_blocks_evictable",
         "gauge",
         "Cached KV blocks no sequence references (reused if their prefix comes back, else evicted)",
-        lambda m: m.engine.blocks.num_evictable_blocks,
+        lambda t: t.engine.blocks.num_evictable_blocks,
     ),
     LiveValue(
         "kv_blocks_free",
         "gpt2_kv_blocks_free",
         "gauge",
         "KV blocks that can be handed out (evictable included)",
-        lambda m: m.engine.blocks.num_free_blocks,
+        lambda t: t.engine.blocks.num_free_blocks,
     ),
     LiveValue(
         "prefix_cache_hit_rate", None, "gauge", "Share of admitted prompt tokens found in the prefix cache", _hit_rate
@@ -86,41 +117,126 @@ LIVE_VALUES = (
         "gpt2_prefix_cache_hit_tokens",
         "counter",
         "Prompt tokens found in the prefix cache",
-        lambda m: m.engine.scheduler.prompt_tokens_cached,
+        lambda t: t.engine.scheduler.prompt_tokens_cached,
+        vllm=("vllm:prefix_cache_hits",),
     ),
     LiveValue(
         "prefix_cache_query_tokens",
         "gpt2_prefix_cache_query_tokens",
         "counter",
         "Prompt tokens admitted",
-        lambda m: m.engine.scheduler.prompt_tokens_admitted,
+        lambda t: t.engine.scheduler.prompt_tokens_admitted,
+        vllm=("vllm:prefix_cache_queries",),
     ),
     LiveValue(
-        "evictions", "gpt2_kv_evictions", "counter", "Cached KV blocks evicted", lambda m: m.engine.blocks.evictions
+        "evictions", "gpt2_kv_evictions", "counter", "Cached KV blocks evicted", lambda t: t.engine.blocks.evictions
     ),
     LiveValue(
         "preemptions",
         "gpt2_preemptions",
         "counter",
         "Sequences preempted for memory",
-        lambda m: m.engine.scheduler.num_preemptions,
+        lambda t: t.engine.scheduler.num_preemptions,
+        vllm=("vllm:num_preemptions",),
     ),
-    LiveValue("steps", "gpt2_steps", "counter", "Engine steps run", lambda m: m.engine.num_steps),
+    LiveValue("steps", "gpt2_steps", "counter", "Engine steps run", lambda t: t.engine.num_steps),
+    LiveValue(
+        "prompt_tokens",
+        "gpt2_prompt_tokens",
+        "counter",
+        "Prompt tokens of the requests that got their first token (counted once, whatever preemptions)",
+        lambda t: t.stats.prompt_tokens,
+        vllm=("vllm:prompt_tokens",),
+    ),
+    LiveValue(
+        "tokens_generated",
+        "gpt2_generated_tokens",
+        "counter",
+        "Tokens generated, counted as they are generated (finished requests or not)",
+        lambda t: t.stats.tokens_generated,
+        vllm=("vllm:generation_tokens",),
+    ),
+    LiveValue(
+        "requests_by_outcome",
+        "gpt2_requests",
+        "counter",
+        "Answered requests by outcome",
+        lambda t: t.stats.by_outcome(),
+        label="outcome",
+    ),
+    LiveValue(
+        "finish_reasons",
+        "gpt2_request_finish_reasons",
+        "counter",
+        "Answered requests by finish reason (abort: cancelled)",
+        lambda t: t.stats.finished_reasons(),
+        label="finished_reason",
+        vllm=("vllm:request_success",),
+    ),
 )
 
 
-def live_values(manager: "BatchingManager") -> dict[str, float]:
-    return {v.key: v.read(manager) for v in LIVE_VALUES}
+class LiveTable:
+    """Written by the loop thread (tokens of a step, answered requests), read by request threads."""
+
+    def __init__(self, engine: Engine, window_s: float, num_waiting: Callable[[], int]) -> None:
+        self.engine, self.num_waiting = engine, num_waiting
+        self.model_name = engine.model_name
+        self.started_at = time.time()  # Unix time
+        self.stats = Stats()
+        self.window = Window(window_s, self.started_at)
+        bounds = {"seconds": SECONDS, "tokens": token_buckets(engine.max_sequence_tokens)}
+        self.histograms = {h.key: Histogram(bounds[h.unit]) for h in HISTOGRAMS}
+        self._lock = threading.Lock()  # guards the histograms
+
+    # --- written by the loop thread --------------------------------------------------------------
+    def tokens_delivered(self, tokens: int, firsts: list[Inference], gaps: list[tuple[int, float]]) -> None:
+        """One step's tokens: `firsts` got their first token (or prompt-only answer), `gaps` are
+        (request id, seconds since its previous token) of every later token."""
+        ttfts = tuple(inf.ttft_s for inf in firsts)
+        with self._lock:
+            for ttft in ttfts:
+                self.histograms["ttft"].observe(ttft)
+            for _, gap in gaps:
+                self.histograms["itl"].observe(gap)
+        self.stats.count_tokens(sum(inf.seq.num_prompt_tokens for inf in firsts), tokens)
+        self.window.add_step(StepTokens(time.time(), tokens, ttfts, tuple(gaps)))
+
+    def answered(self, inf: Inference) -> None:
+        """One inference answered: its outcome, and for a success its latencies and lengths."""
+        self.stats.record(inf)
+        kind = outcome(inf)
+        self.window.add_ending(time.time(), {"ok": "finished", "error": "failed"}.get(kind, kind))
+        if kind == "ok":
+            with self._lock:
+                for key, value in _request_figures(inf).items():
+                    self.histograms[key].observe(value)
+
+    # --- read by request threads ------------------------------------------------------------------
+    def values(self) -> dict[str, Reading]:
+        return {v.key: v.read(self) for v in LIVE_VALUES}
+
+    def histogram_readings(self) -> dict[str, tuple[list[tuple[str, int]], float]]:
+        with self._lock:
+            return {key: h.cumulative() for key, h in self.histograms.items()}
+
+    def window_figures(self) -> dict:
+        return self.window.figures(time.time())
 
 
-def server_stats(manager: "BatchingManager") -> dict:
-    """GET /stats: the live values, the recent steps, and the answered requests' counters and latencies."""
-    return {
-        "mode": manager.settings.mode,
-        "model": manager.engine.model_name,
-        "prefix_cache": manager.settings.prefix_cache,
-        "kv_cache_integrity": manager.cache_problem or "ok",
-        **live_values(manager),
-        "recent_steps": manager.step_summary().as_stats(),
-        **manager.stats.snapshot(),
+def _request_figures(inf: Inference) -> dict[str, float]:
+    """What one successful request adds to the histograms (vLLM's definitions)."""
+    n = len(inf.generated_ids)
+    figures = {
+        "e2e": inf.latency_s,
+        "decode": inf.finished_at - inf.first_token_at,
+        "prompt_tokens": len(inf.prompt_ids),
+        "generation_tokens": n,
+        "max_tokens": inf.params.max_tokens,
     }
+    if inf.scheduled_at is not None:
+        figures["queue"] = inf.scheduled_at - inf.arrival
+        figures["prefill"] = inf.first_token_at - inf.scheduled_at
+    if n > 1:
+        figures["tpot"] = (inf.latency_s - inf.ttft_s) / (n - 1)
+    return figures

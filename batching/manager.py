@@ -19,8 +19,7 @@ from itertools import accumulate
 
 from batching.events import PHASE_AFTER, EventLog
 from batching.inference import Delta, Inference
-from batching.metrics import ServerMetrics
-from batching.stats import Stats
+from batching.live import LiveTable
 from batching.step_summary import StepSummary, summarize
 from config import Settings
 from generate.engine import Engine, StepResult
@@ -41,8 +40,8 @@ class NotServing(Exception):
 class BatchingManager:
     def __init__(self, engine: Engine, settings: Settings):
         self.engine, self.settings, self.mode = engine, settings, settings.mode
-        self.stats = Stats()
-        self.metrics = ServerMetrics(self)
+        self.live = LiveTable(engine, settings.timeline_window_s, self.num_waiting)
+        self.stats = self.live.stats  # since-start counts and percentiles
         self.events = EventLog(settings.request_event_log_size)
         self.started_at = time.time()  # Unix time, for rates over windows that reach back past the start
         # The last step whose record is final (delivery charged): readers of the step log stop
@@ -190,6 +189,7 @@ class BatchingManager:
         self._cancelled.clear()
 
     def _step(self) -> None:
+        began = time.monotonic()
         results = self.engine.step()
         if not results:
             return
@@ -197,7 +197,7 @@ class BatchingManager:
         step = self.engine.step_log.last
         if self.engine.scheduler.num_preemptions != self._preemptions_seen:
             self._record_preemptions(step)
-        self._deliver(results, step)
+        self._deliver(results, step, began)
         step.num_queued = self._num_incoming  # nobatch and static keep requests here while a batch runs
         step.add_stage("deliver", time.perf_counter() - started)
         self.steps_done = step.index
@@ -210,27 +210,39 @@ class BatchingManager:
                 inf.preemptions_seen = inf.seq.num_preemptions
                 self._record(inf, "preempted", at=step.started_at)
 
-    def _deliver(self, results: list[StepResult], step: StepRecord) -> None:
+    def _deliver(self, results: list[StepResult], step: StepRecord, began: float) -> None:
         """Hand each step's news to the request threads. Sequences end in the engine (Sequence.append
         decides, stop strings included); here they are only answered."""
         now = time.monotonic()
+        tokens, firsts, gaps, done = 0, [], [], []  # for the live table, as tokens come
         for seq, token in results:
             inf = self._active[seq.seq_id]
             if inf.phase != "decoding":  # one check per sequence and step: most are decoding
-                self._record_prefill(inf, token, step)
+                self._record_prefill(inf, token, step, began)
             finished = seq.status is Status.FINISHED
             if token is None and not finished:  # a prompt chunk short of the prompt's end
                 continue
             if inf.first_token_at is None:
                 inf.first_token_at = now  # for a prompt-only inference: its prompt's log-probabilities
+                firsts.append(inf)
+            elif token is not None:
+                gaps.append((seq.seq_id, now - inf.last_token_at))
+            if token is not None:
+                tokens += 1
+                inf.last_token_at = now
             self._emit(inf, finished)
             if finished:
                 del self._active[seq.seq_id]
-                self._answer(inf)
+                done.append(inf)
+        self.live.tokens_delivered(tokens, firsts, gaps)
+        for inf in done:  # after the tokens are counted: an answer finds its tokens in /stats
+            self._answer(inf)
 
-    def _record_prefill(self, inf: Inference, token: int | None, step: StepRecord) -> None:
+    def _record_prefill(self, inf: Inference, token: int | None, step: StepRecord, began: float) -> None:
         """The step that first schedules a waiting request starts its prefill; its first token ends it."""
         if inf.phase == "waiting":  # as of the step's start, before its token (if any) was appended
+            if inf.scheduled_at is None:
+                inf.scheduled_at = began
             self._record(inf, "prefill", at=step.started_at, generated=len(inf.generated_ids) - (token is not None))
         if token is not None:  # the token that ends a prefill (or a recomputation after a preemption)
             self._record(inf, "decoding")
@@ -248,8 +260,7 @@ class BatchingManager:
 
     def _answer(self, inf: Inference, error: str | None = None) -> None:
         inf.finish(error)
-        self.stats.record(inf)
-        self.metrics.observe(inf)
+        self.live.answered(inf)
         if error is None:
             self._record(inf, "finished", ttft_s=inf.ttft_s, latency_s=inf.latency_s)
         else:

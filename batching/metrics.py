@@ -1,76 +1,62 @@
-"""GET /metrics: Prometheus counters and histograms of answered requests, and live gauges.
+"""GET /metrics: the live table (batching.live) in Prometheus' text format, read at scrape time.
 
-Each server gets its own registry, so several apps in one process (tests) never clash.
-Values owned by the engine (KV blocks, prefix hits, preemptions, steps) are read at scrape time
-from the same table as /stats (batching.live).
+Every value is rendered under the project's name (gpt2_*) and, where vLLM has one, under vLLM's
+name too, labelled model_name, so vLLM's example Grafana dashboard works unchanged. Both come
+from the same reading of the same table: they can never disagree.
 """
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from batching.inference import Inference
-from batching.live import LIVE_VALUES
+from batching.histograms import HISTOGRAMS
+from batching.live import LIVE_VALUES, LiveTable, Reading
 from batching.step_summary import StepSummary
 
-if TYPE_CHECKING:
-    from batching.manager import BatchingManager
 
-# 1 ms to 10 min, roughly x2.5 apart: TPOT lives at the low end, queueing at the high end.
-BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 600)
-OUTCOMES = ("ok", "error", "cancelled")
-
-
-class ServerMetrics:
-    def __init__(self, manager: "BatchingManager") -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("gpt2_requests", "Answered requests by outcome", ["outcome"], registry=self.registry)
-        for outcome in OUTCOMES:
-            self.requests.labels(outcome)
-        self.generated = Counter("gpt2_generated_tokens", "Tokens generated", registry=self.registry)
-        self.prompt = Counter("gpt2_prompt_tokens", "Prompt tokens of answered requests", registry=self.registry)
-        self.ttft = Histogram("gpt2_ttft_seconds", "Time to first token", buckets=BUCKETS, registry=self.registry)
-        self.tpot = Histogram(
-            "gpt2_tpot_seconds", "Time per output token after the first", buckets=BUCKETS, registry=self.registry
-        )
-        self.latency = Histogram(
-            "gpt2_request_latency_seconds", "End-to-end latency", buckets=BUCKETS, registry=self.registry
-        )
-        self.registry.register(_LiveValues(manager))
-
-    def observe(self, inf: Inference) -> None:
-        """Count one answered inference (called once per inference, from the loop thread)."""
-        outcome = "ok" if inf.error is None else "cancelled" if inf.error == "cancelled" else "error"
-        self.requests.labels(outcome).inc()
-        if outcome != "ok":
-            return
-        n = len(inf.generated_ids)
-        self.generated.inc(n)
-        self.prompt.inc(len(inf.prompt_ids))
-        self.ttft.observe(inf.ttft_s)
-        self.latency.observe(inf.latency_s)
-        if n > 1:
-            self.tpot.observe((inf.latency_s - inf.ttft_s) / (n - 1))
-
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+def render(live: LiveTable, steps: StepSummary) -> tuple[bytes, str]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Scrape(live, steps))
+    return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-class _LiveValues(Collector):
-    """The live values table (batching.live) and the recent steps' figures, read at scrape time."""
-
-    def __init__(self, manager: "BatchingManager") -> None:
-        self.manager = manager
+class _Scrape(Collector):
+    def __init__(self, live: LiveTable, steps: StepSummary) -> None:
+        self.live, self.steps = live, steps
 
     def collect(self) -> Iterator[Metric]:
-        for value in LIVE_VALUES:
-            if value.metric:
-                family = GaugeMetricFamily if value.kind == "gauge" else CounterMetricFamily
-                yield family(value.metric, value.help, value=value.read(self.manager))
-        yield from _recent_steps(self.manager.step_summary())
+        values = self.live.values()
+        model = self.live.model_name
+        for row in LIVE_VALUES:
+            if row.metric:
+                yield _family(row.metric, row.kind, row.help, values[row.key], row.label)
+            for name in row.vllm:
+                yield _family(name, row.kind, row.help, values[row.key], row.label, model)
+        readings = self.live.histogram_readings()
+        for spec in HISTOGRAMS:
+            buckets, total = readings[spec.key]
+            names = ((spec.metric, None),) if spec.metric else ()
+            for name, model_name in (*names, *((v, model) for v in spec.vllm)):
+                labels = ["model_name"] if model_name else []
+                family = HistogramMetricFamily(name, spec.help, labels=labels)
+                family.add_metric([model_name] if model_name else [], buckets, total)
+                yield family
+        yield from _recent_steps(self.steps)
+
+
+def _family(name: str, kind: str, help: str, value: Reading, label: str | None, model: str | None = None) -> Metric:
+    """One gauge or counter; with `model`, labelled model_name (vLLM's series)."""
+    labels = (["model_name"] if model else []) + ([label] if label else [])
+    family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help, labels=labels)
+    prefix = [model] if model else []
+    if label:
+        for label_value, count in value.items():
+            family.add_metric([*prefix, label_value], count)
+    else:
+        family.add_metric(prefix, value)
+    return family
 
 
 def _recent_steps(summary: StepSummary) -> Iterator[Metric]:

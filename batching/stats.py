@@ -1,4 +1,9 @@
-"""Server-wide counters and latency distributions, as /stats reports them."""
+"""Since the server started: request counts, token counts, busy time and recent latency percentiles.
+
+Tokens are counted as they are generated (every token, whichever way its request then ends), so
+the counts and `throughput_tokens_per_s` move while requests run. Latency percentiles are over
+the latest answered requests. The windowed figures, over the last few seconds, are in window.py.
+"""
 
 import threading
 import time
@@ -7,6 +12,7 @@ from collections import deque
 from batching.inference import Inference
 
 WINDOW = 10_000  # latest requests kept for percentiles
+OUTCOMES = ("ok", "error", "cancelled")
 
 
 def summary(values: list[float]) -> dict[str, float | None]:
@@ -23,12 +29,18 @@ def summary(values: list[float]) -> dict[str, float | None]:
     return {"mean": sum(ordered) / len(ordered), "p50": pct(0.5), "p99": pct(0.99)}
 
 
+def outcome(inf: Inference) -> str:
+    return "ok" if inf.error is None else "cancelled" if inf.error == "cancelled" else "error"
+
+
 class Stats:
     """Thread-safe: the loop thread records, request threads read."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.completed = self.failed = self.tokens_generated = self.prompt_tokens = 0
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.finish_reasons = {"stop": 0, "length": 0}  # of the requests answered "ok"
+        self.tokens_generated = self.prompt_tokens = 0
         self._busy_s = 0.0
         self._busy_since: float | None = None
         self._ttft, self._tpot, self._latency, self._latency_per_token = (deque(maxlen=WINDOW) for _ in range(4))
@@ -43,15 +55,21 @@ class Stats:
                 self._busy_s += now - self._busy_since
                 self._busy_since = None
 
-    def record(self, inf: Inference) -> None:
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        """Tokens of one step: prompts whose first token came in it, and every token generated."""
         with self._lock:
+            self.prompt_tokens += prompt
+            self.tokens_generated += generated
+
+    def record(self, inf: Inference) -> None:
+        """One answered inference."""
+        with self._lock:
+            self.outcomes[outcome(inf)] += 1
             if inf.error:
-                self.failed += 1
                 return
+            reason = inf.finish_reason or "length"  # a prompt-only inference ends without generating
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
             n = len(inf.generated_ids)
-            self.completed += 1
-            self.tokens_generated += n
-            self.prompt_tokens += len(inf.prompt_ids)
             self._ttft.append(inf.ttft_s)
             self._latency.append(inf.latency_s)
             if n:  # an echo of the prompt alone (max_tokens 0) generates nothing
@@ -64,22 +82,29 @@ class Stats:
             running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
             return self._busy_s + running
 
+    def finished_reasons(self) -> dict[str, int]:
+        """Answered requests by how they ended, as vLLM labels them: stop, length, or abort (cancelled)."""
+        with self._lock:
+            return {**self.finish_reasons, "abort": self.outcomes["cancelled"]}
+
+    def by_outcome(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.outcomes)
+
     def snapshot(self) -> dict:
         busy = self.busy_seconds()
         with self._lock:
-            latency = list(self._latency)
             tokens = self.tokens_generated
             throughput = tokens / busy if busy > 0 else 0.0
             return {
-                "requests_completed": self.completed,
-                "requests_failed": self.failed,
-                "tokens_generated": tokens,
-                "prompt_tokens": self.prompt_tokens,
+                "requests_completed": self.outcomes["ok"],
+                "requests_failed": self.outcomes["error"] + self.outcomes["cancelled"],
+                "requests_cancelled": self.outcomes["cancelled"],
                 "busy_time_s": busy,
                 "throughput_tokens_per_s": throughput,
                 "ttft_s": summary(list(self._ttft)),
                 "tpot_s": summary(list(self._tpot)),
-                "latency_s": summary(latency),
+                "latency_s": summary(list(self._latency)),
                 # the keys of the original demo, kept for scripts that read them
                 "latency-per-token": summary(list(self._latency_per_token))["mean"] or 0.0,
                 "throughput": throughput,

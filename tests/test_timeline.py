@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching.events import PHASE_AFTER, EventLog, RequestEvent
+from batching.events import PHASE_AFTER, EventLog
 from batching.live import LIVE_VALUES
 from batching.step_summary import summarize
-from batching.timeline import output_rate, request_latency
+from batching.window import StepTokens, Window
 from generate.step_log import STAGES, StepRecord
 from model.tokenizer import load_tokenizer
 
@@ -24,10 +24,6 @@ def step(index: int, started_at: float = 0.0, **fields) -> StepRecord:
     values = dict(num_decodes=0, num_prefills=0, num_prefill_tokens=0, num_sampled=0, num_running=0, num_waiting=0)
     values |= dict(kv_blocks_used=0, kv_blocks_cached=0, kv_blocks_free=0, preemptions=0)
     return StepRecord(index, started_at, **(values | fields))
-
-
-def finished(at: float, ttft_s: float, latency_s: float, tokens: int, kind: str = "finished") -> RequestEvent:
-    return RequestEvent(0, at, 0, kind, 5, tokens, ttft_s, latency_s)
 
 
 def post(app, prompt: str, num_tokens: int, **extra):
@@ -108,27 +104,27 @@ def test_step_summary_of_hand_made_steps():
     assert summarize([]).step_time_s == {"mean": None, "p50": None, "p99": None}
 
 
-def test_output_rate_counts_the_steps_in_the_window():
-    records = [step(1, 95.0, num_sampled=7), step(2, 101.0, num_sampled=2), step(3, 105.0, num_sampled=8)]
-    assert output_rate(records, start=100.0, now=110.0) == {"steps": 2, "output_tokens_per_s": 1.0}
-    # The ring has dropped steps 1-9: the rate is over the part of the window it still holds.
-    held = [step(10, 106.0, num_sampled=4), step(11, 108.0, num_sampled=4)]
-    assert output_rate(held, start=100.0, now=110.0) == {"steps": 2, "output_tokens_per_s": 2.0}
-
-
-def test_request_latency_of_the_requests_that_ended_in_the_window():
-    events = [
-        finished(at=50.0, ttft_s=9.0, latency_s=9.0, tokens=1),  # before the window
-        finished(at=95.0, ttft_s=0.5, latency_s=2.5, tokens=5),  # TPOT 0.5
-        finished(at=96.0, ttft_s=1.5, latency_s=1.5, tokens=1),  # one token: no TPOT
-        finished(at=97.0, ttft_s=1.0, latency_s=2.0, tokens=3),  # TPOT 0.5
-        finished(at=98.0, ttft_s=None, latency_s=None, tokens=0, kind="cancelled"),
-        RequestEvent(0, 99.0, 1, "decoding", 5, 1),
-    ]
-    figures = request_latency(events, now=100.0, window_s=10.0)
-    assert (figures["requests_finished"], figures["requests_failed"], figures["requests_cancelled"]) == (3, 0, 1)
-    assert figures["ttft_s"]["p50"] == 1.0 and figures["ttft_s"]["mean"] == pytest.approx(1.0)
-    assert figures["tpot_s"] == {"mean": 0.5, "p50": 0.5, "p99": 0.5}
+def test_window_counts_tokens_when_they_come_not_when_requests_end():
+    window = Window(seconds=10.0, started_at=0.0)
+    window.add_step(StepTokens(at=89.0, tokens=50, ttfts=(9.0,), gaps=((1, 9.0),)))  # before the window
+    window.add_step(StepTokens(at=95.0, tokens=3, ttfts=(0.5, 1.5), gaps=((1, 0.2),)))
+    window.add_step(StepTokens(at=97.0, tokens=3, ttfts=(), gaps=((1, 0.4), (2, 0.1), (3, 0.3))))
+    window.add_step(StepTokens(at=99.0, tokens=1, ttfts=(1.0,), gaps=()))
+    window.add_ending(96.0, "finished")
+    window.add_ending(98.0, "cancelled")
+    figures = window.figures(now=100.0)
+    # 7 tokens in the 10 s from 90 to 100, though no request in the window has finished yet
+    assert figures["tokens_generated"] == 7 and figures["output_tokens_per_s"] == pytest.approx(0.7)
+    assert figures["first_tokens"] == 3 and figures["ttft_s"]["p50"] == 1.0
+    assert figures["itl_s"]["mean"] == pytest.approx((0.2 + 0.4 + 0.1 + 0.3) / 4)
+    # per request: 1 -> mean(0.2, 0.4) = 0.3, 2 -> 0.1, 3 -> 0.3
+    assert figures["tpot_s"]["p50"] == pytest.approx(0.3) and figures["tpot_s"]["mean"] == pytest.approx(0.7 / 3)
+    assert (figures["requests_finished"], figures["requests_cancelled"], figures["requests_failed"]) == (1, 1, 0)
+    # a server younger than the window: the rate is over its life
+    young = Window(seconds=30.0, started_at=98.0)
+    young.add_step(StepTokens(at=99.0, tokens=4, ttfts=(), gaps=()))
+    assert young.figures(now=100.0)["output_tokens_per_s"] == pytest.approx(2.0)
+    assert Window(10.0, 0.0).figures(100.0)["ttft_s"] == {"mean": None, "p50": None, "p99": None}
 
 
 # --- through the app ---------------------------------------------------------------------------------
@@ -311,10 +307,16 @@ def test_stats_and_metrics_show_the_same_live_values(make_app):
     post_all(app, ["shared prefix " * 10 + str(i) for i in range(3)], [2, 3, 4])
     stats = app.test_client().get("/stats").get_json()
     samples = metrics(app)
+    model = (("model_name", stats["model"]),)
     for value in LIVE_VALUES:
-        if value.metric:
-            suffix = "_total" if value.kind == "counter" else ""
-            assert samples[(value.metric + suffix, ())] == stats[value.key], value.key
+        suffix = "_total" if value.kind == "counter" else ""
+        names = [(value.metric, ())] if value.metric else []
+        names += [(name, model) for name in value.vllm]  # vLLM's series: the same value, labelled model_name
+        for name, labels in names:
+            shown = stats[value.key] if value.label else {None: stats[value.key]}
+            for label_value, number in shown.items():
+                key = labels + (((value.label, label_value),) if value.label else ())
+                assert samples[(name + suffix, tuple(sorted(key)))] == number, (name, label_value)
     assert stats["kv_blocks_total"] == 300 and stats["prefix_cache_hit_tokens"] > 0
     assert stats["prefix_cache_hit_rate"] == stats["prefix_cache_hit_tokens"] / stats["prefix_cache_query_tokens"]
     # every key scripts and tests read before these figures had one home

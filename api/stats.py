@@ -1,0 +1,21 @@
+"""GET /stats (JSON) and GET /metrics (Prometheus): two renderings of the live table."""
+
+from flask import Blueprint, Response, jsonify
+
+from api.serving import server
+from batching import metrics
+from batching.server_stats import server_stats
+
+routes = Blueprint("stats", __name__)
+
+
+@routes.get("/stats")
+def stats():
+    return jsonify(server_stats(server().manager))
+
+
+@routes.get("/metrics")
+def prometheus():
+    manager = server().manager
+    body, content_type = metrics.render(manager.live, manager.step_summary())
+    return Response(body, content_type=content_type)
