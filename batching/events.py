@@ -1,9 +1,11 @@
 """Each request's phase changes, kept in a bounded ring beside the engine's step log.
 
-A request is *waiting* from its arrival (or a preemption) until it is scheduled, in
-*prefill* while its prompt (or, after a preemption, its whole context) is computed, then
-*decoding* from the token that ends the prefill, until it ends: finished, failed or
-cancelled. Request threads record arrivals, the loop thread everything else; readers get
+A request is *waiting* from its arrival in the batching manager's queue until the manager
+hands it to the engine (static and nobatch modes hold it there while a batch runs; dynamic
+hands it over at the next step); then *admitted* (in the engine's queue, or back there after
+a preemption) until a step schedules it; in *prefill* while its prompt (or, after a
+preemption, its whole context) is computed, then *decoding* from the token that ends the
+prefill, until it ends: finished, failed or cancelled. Request threads record arrivals, the loop thread everything else; readers get
 copies, so memory stays constant whatever the uptime and the loop never waits on them.
 """
 
@@ -15,7 +17,8 @@ from dataclasses import asdict, dataclass
 # Event kind -> the phase it starts (None: the request has ended).
 PHASE_AFTER = {
     "arrived": "waiting",
-    "preempted": "waiting",
+    "admitted": "admitted",
+    "preempted": "admitted",
     "prefill": "prefill",
     "decoding": "decoding",
     "finished": None,

@@ -150,6 +150,7 @@ class BatchingManager:
         for inf in request:
             self._active[inf.seq.seq_id] = inf
             self.engine.add(inf.seq)
+            self._record(inf, "admitted")
 
     def _check_cache(self) -> None:
         """Verify the KV cache whenever the server goes idle; /stats reports the outcome."""
@@ -240,7 +241,7 @@ class BatchingManager:
 
     def _record_prefill(self, inf: Inference, token: int | None, step: StepRecord, began: float) -> None:
         """The step that first schedules a waiting request starts its prefill; its first token ends it."""
-        if inf.phase == "waiting":  # as of the step's start, before its token (if any) was appended
+        if inf.phase == "admitted":  # as of the step's start, before its token (if any) was appended
             if inf.scheduled_at is None:
                 inf.scheduled_at = began
             self._record(inf, "prefill", at=step.started_at, generated=len(inf.generated_ids) - (token is not None))

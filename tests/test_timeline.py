@@ -16,8 +16,8 @@ from model.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer()
 # What may follow what in one request's events; an ending may follow anything.
-NEXT = {"arrived": {"prefill"}, "prefill": {"decoding", "preempted"}, "decoding": {"preempted", "finished"}}
-NEXT["preempted"] = {"prefill"}
+NEXT = {"arrived": {"admitted"}, "admitted": {"prefill"}, "prefill": {"decoding", "preempted"}}
+NEXT |= {"decoding": {"preempted", "finished"}, "preempted": {"prefill"}}
 
 
 def step(index: int, started_at: float = 0.0, **fields) -> StepRecord:
@@ -154,11 +154,11 @@ def test_each_request_has_its_events_in_order_and_each_step_one_record(make_app)
     for prompt, n, answer in zip(prompts, counts, answers):
         prompt_tokens = len(TOKENIZER.encode(prompt))
         (life,) = [life for life in lives.values() if life[0]["prompt_tokens"] == prompt_tokens]
-        assert [e["kind"] for e in life] == ["arrived", "prefill", "decoding", "finished"]
+        assert [e["kind"] for e in life] == ["arrived", "admitted", "prefill", "decoding", "finished"]
         assert_valid_life(life)
-        arrived, prefill, decoding, done = life
+        arrived, admitted, prefill, decoding, done = life
         assert prefill["at"] in step_starts  # the start of the step that scheduled its first chunk
-        assert [e["generated_tokens"] for e in life] == [0, 0, 1, n]
+        assert [e["generated_tokens"] for e in life] == [0, 0, 0, 1, n]
         assert done["ttft_s"] == answer["ttft_s"] and done["latency_s"] == answer["latency_s"]
 
 
@@ -201,24 +201,24 @@ def test_cancelled_and_failed_requests_end_their_rows(make_app):
     lives = sorted(by_request(timeline(app)["events"]).values(), key=len)
     assert [[e["kind"] for e in life] for life in lives] == [
         ["arrived", "cancelled"],  # never left the queue
-        ["arrived", "prefill", "decoding", "cancelled"],  # ran its held step, then was aborted
+        ["arrived", "admitted", "prefill", "decoding", "cancelled"],  # ran its held step, then was aborted
     ]
 
     app, manager = make_app()
     manager.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("simulated failure"))
     assert post(app, "doomed", 3).status_code == 500
-    assert [e["kind"] for e in timeline(app)["events"]] == ["arrived", "failed"]
+    assert [e["kind"] for e in timeline(app)["events"]] == ["arrived", "admitted", "failed"]
 
 
 def test_the_rings_keep_only_the_latest_records(make_app):
     app, _ = make_app(mode="nobatch", step_log_size=4, request_event_log_size=6)
     for i in range(5):
-        assert post(app, f"request {i}", 3).status_code == 200  # 3 steps and 4 events each
+        assert post(app, f"request {i}", 3).status_code == 200  # 3 steps and 5 events each
     data = timeline(app)
     assert [s["index"] for s in data["steps"]] == [12, 13, 14, 15]
-    assert [e["index"] for e in data["events"]] == [15, 16, 17, 18, 19, 20]
-    assert data["next"] == {"since": 15, "events_since": 20}
-    assert timeline(app, since=14, events_since=19)["next"] == {"since": 15, "events_since": 20}
+    assert [e["index"] for e in data["events"]] == [20, 21, 22, 23, 24, 25]
+    assert data["next"] == {"since": 15, "events_since": 25}
+    assert timeline(app, since=14, events_since=24)["next"] == {"since": 15, "events_since": 25}
     assert [s["index"] for s in timeline(app, since=14)["steps"]] == [15]
 
 
@@ -257,7 +257,8 @@ def test_the_page_is_open_its_data_needs_the_key(make_app):
     for asset, kind in (("dashboard.js", "text/javascript"), ("dashboard.css", "text/css")):
         answer = client.get(f"/dashboard/{asset}")
         assert answer.status_code == 200 and answer.mimetype == kind
-    assert client.get("/stats/timeline").status_code == 401
+    refused = client.get("/stats/timeline")
+    assert refused.status_code == 401 and refused.headers["WWW-Authenticate"] == "Bearer"
     assert client.get("/stats/timeline", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.get("/dashboard/app.py").status_code == 401  # not a page file: guarded like the rest
     assert client.get("/dashboard/app.py", headers={"Authorization": "Bearer s3cret"}).status_code == 404
@@ -304,7 +305,9 @@ def test_stats_and_metrics_count_the_steps(make_app):
 
 def test_stats_and_metrics_show_the_same_live_values(make_app):
     app, _ = make_app(kv_cache_blocks=300)
-    post_all(app, ["shared prefix " * 10 + str(i) for i in range(3)], [2, 3, 4])
+    # the first alone, so that its prompt's blocks are cached before the others arrive
+    assert post(app, "shared prefix " * 10 + "0", 2).status_code == 200
+    post_all(app, ["shared prefix " * 10 + str(i) for i in (1, 2)], [3, 4])
     stats = app.test_client().get("/stats").get_json()
     samples = metrics(app)
     model = (("model_name", stats["model"]),)
