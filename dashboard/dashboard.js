@@ -5,13 +5,20 @@
 (() => {
   const POLL_MS = 1000;
   const KEY_STORE = "gpt2-dashboard-api-key"; // sessionStorage: this tab only, gone when it closes
-  const STEPS_SHOWN = 160; // bars in the step charts
+  const STEPS_KEPT = 20000; // step records kept for the step charts (their last HISTORY_S seconds at most)
   const REQUESTS_SHOWN = 50; // rows in the request timeline
+  const ROW_PX = 8; // height of one request's row: the timeline grows with the rows it shows
   const REQUESTS_KEPT = 500; // requests remembered, so rows survive while newer ones arrive
   const HISTORY_S = 60; // span of the charts over time
   const GANTT_MAX_S = 300; // the request timeline never spans more than this
   const STAGES = ["schedule", "build", "forward", "sample", "deliver"];
-  const PHASE_AFTER = { arrived: "waiting", preempted: "waiting", prefill: "prefill", decoding: "decoding" };
+  const PHASE_AFTER = {
+    arrived: "waiting",
+    admitted: "admitted",
+    preempted: "admitted",
+    prefill: "prefill",
+    decoding: "decoding",
+  };
   const SVG_NS = "http://www.w3.org/2000/svg";
 
   const state = {
@@ -61,6 +68,7 @@
     document.getElementById("key-problem").textContent = problem || "";
     form.hidden = false;
     setStatus("waiting for the API key", true);
+    placeholders("waiting for the API key");
     document.getElementById("key-input").focus();
   }
 
@@ -91,7 +99,7 @@
     state.eventsSince = data.next.events_since;
     state.steps.push(...data.steps);
     const recent = state.steps.findIndex((s) => s.started_at >= data.now - HISTORY_S);
-    const keepFrom = Math.min(recent < 0 ? state.steps.length : recent, state.steps.length - STEPS_SHOWN);
+    const keepFrom = Math.max(recent < 0 ? state.steps.length : recent, state.steps.length - STEPS_KEPT);
     if (keepFrom > 0) state.steps = state.steps.slice(keepFrom);
     data.events.forEach(applyEvent);
     for (const id of state.requests.keys()) {
@@ -272,46 +280,65 @@
     set("tile-running", String(live.requests_running));
     set("tile-waiting", String(live.requests_waiting));
     set("tile-tps", fmtNumber(Math.round(window.output_tokens_per_s * 10) / 10));
-    set("tile-ttft", `${fmtSeconds(window.ttft_s.p50)} / ${fmtSeconds(window.ttft_s.p99)}`);
-    set("tile-tpot", `${fmtSeconds(window.tpot_s.p50)} / ${fmtSeconds(window.tpot_s.p99)}`);
-    set("tile-kv", `${live.kv_blocks_used} / ${live.kv_blocks_total}`);
+    set("tile-window", fmtNumber(Math.round(window.span_s)));
+    set("tile-ttft", fmtSeconds(window.ttft_s.p50));
+    set("tile-ttft-p99", `p99 ${fmtSeconds(window.ttft_s.p99)}`);
+    set("tile-tpot", fmtSeconds(window.tpot_s.p50));
+    set("tile-tpot-p99", `p99 ${fmtSeconds(window.tpot_s.p99)}`);
+    set("tile-kv", String(live.kv_blocks_used));
+    set("tile-kv-total", `of ${live.kv_blocks_total}`);
     set("tile-hits", `${(100 * live.prefix_cache_hit_rate).toFixed(1)}%`);
     set("tile-preemptions", String(live.preemptions));
     set(
       "window-note",
-      `Latency over the ${window.requests_finished} requests that finished in the last ${window.seconds} s ` +
-        `(${window.requests_failed} failed, ${window.requests_cancelled} cancelled); ` +
-        `output tokens/s over the ${window.steps} steps of the last ${window.seconds} s.`,
+      `Tokens/s, TTFT and TPOT over the last ${fmtNumber(Math.round(window.span_s))} s, counted as tokens come ` +
+        `(requests still running included): ${window.tokens_generated} tokens, ${window.first_tokens} first tokens. ` +
+        `Ended in that time: ${window.requests_finished} finished, ${window.requests_failed} failed, ` +
+        `${window.requests_cancelled} cancelled.`,
     );
   }
 
-  function stackedBars(c, steps, max, parts) {
-    const width = (c.x1 - c.x0) / STEPS_SHOWN;
-    steps.forEach((s, i) => {
-      const x = c.x0 + (STEPS_SHOWN - steps.length + i) * width;
+  // Steps on the same time axis as every other panel: a bar per step at its start, as wide as it
+  // lasted (at least a pixel); where several steps share a pixel column, the one with the tallest stack.
+  function stackedBars(c, t0, t1, max, parts) {
+    const xOf = (t) => c.x0 + ((t - t0) / (t1 - t0)) * (c.x1 - c.x0);
+    const columns = new Map();
+    for (const s of state.steps) {
+      if (s.started_at < t0) continue;
+      const stack = parts(s);
+      const total = stack.reduce((sum, [, v]) => sum + v, 0);
+      const column = Math.floor(xOf(s.started_at));
+      const kept = columns.get(column);
+      if (!kept || total > kept.total) columns.set(column, { s, stack, total });
+    }
+    for (const { s, stack } of columns.values()) {
+      const x = xOf(s.started_at);
+      const width = Math.max(xOf(s.started_at + s.duration_s) - x, 1);
       let y = c.y1;
-      for (const [cls, value] of parts(s)) {
+      for (const [cls, value] of stack) {
         const h = (Math.min(value, max) / max) * (c.y1 - c.y0);
         if (h <= 0) continue;
         y -= h;
-        add(c.svg, "rect", { x, y, width: Math.max(width * 0.8, 1), height: h, class: `bar ${cls}` });
+        add(c.svg, "rect", { x, y, width, height: h, class: `bar ${cls}` });
       }
-    });
-    const first = steps[0].index;
-    const last = steps[steps.length - 1].index;
-    add(c.svg, "text", { x: c.x0 + (STEPS_SHOWN - steps.length) * width, y: c.y1 + 14 }, `step ${first}`);
-    add(c.svg, "text", { x: c.x1, y: c.y1 + 14, "text-anchor": "end" }, `step ${last}`);
+    }
+    timeAxis(c, t0, t1);
+  }
+
+  function recentSteps() {
+    return state.steps.filter((s) => s.started_at >= state.data.now - HISTORY_S);
   }
 
   function drawStepTokens() {
     const c = chart("steps-chart");
-    const steps = state.steps.slice(-STEPS_SHOWN);
-    if (!steps.length) return empty(c, "no steps yet: send some requests");
+    const steps = recentSteps();
+    if (!steps.length) return empty(c, "no steps in the last minute: send some requests");
     const budget = state.data.server.max_batch_tokens;
     const top = Math.max(...steps.map((s) => s.num_decodes + s.num_prefill_tokens));
     const scale = niceScale(top, 4, true);
     yAxis(c, scale, fmtNumber);
-    stackedBars(c, steps, scale.max, (s) => [
+    const now = state.data.now;
+    stackedBars(c, now - HISTORY_S, now, scale.max, (s) => [
       ["decode", s.num_decodes],
       ["prefill", s.num_prefill_tokens],
     ]);
@@ -326,11 +353,12 @@
 
   function drawStepTimes() {
     const c = chart("step-time-chart");
-    const steps = state.steps.slice(-STEPS_SHOWN);
-    if (!steps.length) return empty(c, "no steps yet");
+    const steps = recentSteps();
+    if (!steps.length) return empty(c, "no steps in the last minute");
     const scale = niceScale(Math.max(...steps.map((s) => s.duration_s)));
     yAxis(c, scale, fmtSeconds);
-    stackedBars(c, steps, scale.max, (s) => STAGES.map((stage) => [stage, s.stages[stage] || 0]));
+    const now = state.data.now;
+    stackedBars(c, now - HISTORY_S, now, scale.max, (s) => STAGES.map((stage) => [stage, s.stages[stage] || 0]));
   }
 
   // Rows: requests still in the system first (the head of the queue included), then those that
@@ -342,14 +370,16 @@
   }
 
   function drawRequests() {
-    const c = chart("requests-chart");
     const rows = shownRequests();
+    const svg = document.getElementById("requests-chart");
+    svg.style.height = `${Math.max(rows.length, 6) * ROW_PX + 28}px`; // the plot area, and room for the axis
+    const c = chart("requests-chart");
     if (!rows.length) return empty(c, "no requests yet");
     const now = state.data.now;
     const start = Math.min(...rows.map((r) => r.segments[0].start));
     const t0 = now - Math.min(Math.max(now - start, 5), GANTT_MAX_S);
     const xOf = (t) => c.x0 + ((Math.max(t, t0) - t0) / (now - t0)) * (c.x1 - c.x0);
-    const rowH = (c.y1 - c.y0) / REQUESTS_SHOWN;
+    const rowH = (c.y1 - c.y0) / Math.max(rows.length, 6);
     rows.forEach((r, i) => {
       const y = c.y0 + i * rowH;
       for (const seg of r.segments) {
@@ -385,8 +415,8 @@
     timeChart(
       "queue-chart",
       [
-        [overTime((s) => s.num_running, (s) => s.running), "running"],
-        [overTime((s) => s.num_waiting + s.num_queued, (s) => s.waiting), "waiting"],
+        [state.samples.map((s) => [s.at, s.running]), "running"],
+        [state.samples.map((s) => [s.at, s.waiting]), "waiting"],
       ],
       fmtNumber,
       true,
@@ -425,6 +455,7 @@
     const now = state.data.now;
     const t0 = now - HISTORY_S;
     const samples = state.samples;
+    if (!samples.some((s) => s.tps > 0 || s.ttft50 !== null)) return empty(c, "no tokens in the window yet");
     const tps = niceScale(Math.max(1, ...samples.map((s) => s.tps)));
     const secs = niceScale(Math.max(0.001, ...samples.map((s) => s.ttft99 ?? 0)));
     yAxis(c, tps, fmtNumber);
@@ -435,11 +466,18 @@
     timeAxis(c, t0, now);
   }
 
+  // Before the first answer (or while the key is missing): every chart says why it is empty.
+  function placeholders(text) {
+    const charts = ["steps-chart", "step-time-chart", "requests-chart", "queue-chart", "kv-chart", "cache-chart"];
+    for (const id of [...charts, "latency-chart"]) empty(chart(id), text);
+  }
+
   // --- start ------------------------------------------------------------------------------------
   document.getElementById("key-form").addEventListener("submit", onKeySubmit);
   if (document.body.dataset.keyRequired === "true" && !sessionStorage.getItem(KEY_STORE)) {
     askForKey();
   } else {
+    placeholders("connecting…");
     poll();
   }
 })();

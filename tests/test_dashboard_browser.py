@@ -4,12 +4,14 @@ Skipped, with the reason, only where Playwright or a Chromium binary is missing;
 installs both.
 """
 
+import contextlib
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from conftest import sim_settings, wait_until
 
 from client import browser
 from client.launch import running_server
@@ -19,12 +21,28 @@ pytestmark = pytest.mark.skipif(browser.missing() is not None, reason=str(browse
 KEY = "s3cret"
 CLIENTS = 30
 DEADLINE_MS = 60_000
+WIDTHS = (800, 1000, 1200, 1400, 1920)
+# Boxes whose text must fit: the tiles (labels, values, p99 lines), panel titles, legends, header facts.
+# An inline box has no width of its own (its text overflows its block, which is checked).
+OVERFLOWING = """() => [...document.querySelectorAll('.tile, .tile *, h2, .legend, .note, .facts dd')]
+  .filter((e) => getComputedStyle(e).display !== 'inline' && e.scrollWidth > e.clientWidth)
+  .map((e) => `${e.id || e.className || e.tagName}: ${e.textContent.trim()}`)"""
 # Waits use Playwright's locator assertions, which poll without evaluating strings in the page:
 # the page's Content-Security-Policy forbids that, and the test keeps it in force.
 
 
 def number(page, selector: str) -> int:
     return int(page.inner_text(selector))
+
+
+def tokens_per_s(text: str) -> float:
+    """A tile's figure as the page formats it (fmtNumber: 12.5, 340, 1.2k)."""
+    return float(text[:-1]) * 1000 if text.endswith("k") else float(text)
+
+
+def watch_console(page, problems: list[str]) -> None:
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.on("console", lambda m: problems.append(f"console error: {m.text}") if m.type == "error" else None)
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +65,9 @@ def test_dashboard_draws_the_loop_while_requests_run(url):
             answered.append(requests.post(f"{url}/inference", json=body, headers=headers, timeout=120).status_code)
 
     problems: list[str] = []
-
-    def console(message) -> None:
-        if message.type == "error":
-            problems.append(f"console error: {message.text}")
-
     with ThreadPoolExecutor(CLIENTS) as pool, browser.chromium() as chromium:
         page = chromium.new_page(viewport={"width": 1400, "height": 1400})
-        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-        page.on("console", console)
+        watch_console(page, problems)
         try:
             load = [pool.submit(client, i) for i in range(CLIENTS)]
             page.goto(f"{url}/dashboard")
@@ -77,6 +89,13 @@ def test_dashboard_draws_the_loop_while_requests_run(url):
             assert page.locator("#queue-chart path.line.running").count() == 1
             assert page.locator("#kv-chart path.line.used").count() == 1
             assert number(page, "#tile-running") > 0
+            # Every tile and label fits its box at every width, with figures in the tiles.
+            for width in WIDTHS:
+                page.set_viewport_size({"width": width, "height": 1000})
+                expect(page.locator("#tile-ttft")).to_have_text(re.compile(r"\d"))
+                steps = page.inner_text("#step-count")
+                expect(page.locator("#step-count")).not_to_have_text(steps)  # redrawn at this width
+                assert page.evaluate(OVERFLOWING) == [], width
         finally:
             stop.set()
         for future in load:
@@ -103,3 +122,49 @@ def test_a_wrong_key_is_asked_for_again(url):
         expect(page.locator("#key-problem")).to_contain_text("refused", timeout=DEADLINE_MS)
         expect(page.locator("#key-form")).to_be_visible()
         assert page.evaluate("sessionStorage.length") == 0
+
+
+@pytest.fixture
+def slow_url(tmp_path):
+    """A simulated GPU whose every step takes 0.1 s: a 900-token request runs for 90 s, whatever the CPU.
+    A 10 s window, so that the test sees it fill with the load alone."""
+    settings = {**sim_settings(tmp_path, 0.1), "SHUTDOWN_GRACE_S": "1", "TIMELINE_WINDOW_S": "10"}
+    with running_server("dynamic", tmp_path, **settings) as url:
+        yield url
+
+
+def test_latency_and_throughput_show_before_any_request_finishes(slow_url):
+    from playwright.sync_api import expect
+
+    def client(i: int) -> None:  # a request far longer than the test; the server's shutdown ends it
+        with contextlib.suppress(requests.RequestException):
+            requests.post(f"{slow_url}/inference", json={"prompt": f"request {i}", "num_tokens": 900}, timeout=300)
+
+    def window() -> dict:
+        return requests.get(f"{slow_url}/stats", timeout=10).json()["window"]
+
+    problems: list[str] = []
+    pool = ThreadPoolExecutor(4)  # not waited for: the requests end when the fixture stops the server
+    with browser.chromium() as chromium:
+        page = chromium.new_page(viewport={"width": 1000, "height": 900})
+        watch_console(page, problems)
+        page.goto(f"{slow_url}/dashboard")
+        expect(page.locator("#status")).to_contain_text("live")
+        for i in range(4):
+            pool.submit(client, i)
+        number_shown = re.compile(r"^\d")
+        expect(page.locator("#tile-ttft")).to_have_text(number_shown, timeout=DEADLINE_MS)
+        expect(page.locator("#tile-tps")).to_have_text(re.compile(r"^[1-9]"), timeout=DEADLINE_MS)
+        expect(page.locator("#tile-tpot")).to_have_text(number_shown, timeout=DEADLINE_MS)
+        # Compare once the window holds the load alone (its first tokens have left it), so the rate is steady.
+        wait_until(lambda: (w := window())["first_tokens"] == 0 and w["tokens_generated"] > 0, DEADLINE_MS / 1000)
+        steps = page.inner_text("#step-count")
+        expect(page.locator("#step-count")).not_to_have_text(steps)  # a poll after the window filled
+        shown = tokens_per_s(page.inner_text("#tile-tps"))
+        stats = requests.get(f"{slow_url}/stats", timeout=10).json()
+    pool.shutdown(wait=False)
+    assert stats["requests_completed"] == 0 and stats["requests_running"] == 4  # nothing has finished
+    assert stats["window"]["output_tokens_per_s"] > 0
+    assert abs(stats["window"]["output_tokens_per_s"] - shown) <= 0.2 * shown, (stats["window"], shown)
+    assert stats["throughput_tokens_per_s"] > 0 and stats["tokens_generated"] > 0
+    assert problems == []
