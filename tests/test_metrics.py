@@ -1,7 +1,11 @@
 """/metrics through a real server: vLLM's series (what its example Grafana dashboard queries)
 are there, labelled model_name, and count exactly the traffic this test sends."""
 
+import json
+import re
+
 import requests
+from conftest import ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
 HISTOGRAMS = (
@@ -79,3 +83,12 @@ def test_vllm_series_count_the_traffic_sent(url, model):
     assert after[("gpt2_generated_tokens_total", ())] == after[("vllm:generation_tokens_total", label)]
     assert after[("gpt2_ttft_seconds_count", ())] == after[("vllm:time_to_first_token_seconds_count", label)]
     assert delta[("gpt2_requests_total", (("outcome", "ok"),))] == len(sent)
+
+
+def test_the_grafana_dashboard_queries_only_series_the_server_exports(url):
+    dashboard = json.loads((ROOT / "deploy" / "grafana-gpt2.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queried = {name for expr in exprs for name in re.findall(r"\bgpt2_[a-z0-9_]+", expr)}
+    exported = {name for name, _ in scrape(url)}
+    assert len(queried) > 10 and queried <= exported, queried - exported
+    assert all(panel["datasource"]["uid"] == "${DS_PROMETHEUS}" for panel in dashboard["panels"])
