@@ -106,6 +106,8 @@ class StatsHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
+        if status == 401:  # as a replica says it: the key goes in a Bearer header
+            self.send_header("WWW-Authenticate", "Bearer")
         self.end_headers()
         self.wfile.write(payload)
 

@@ -516,6 +516,7 @@ def test_the_balancers_stats_pass_the_api_key_on(tiny_checkpoint, tmp_path):
     finally:
         stop_server(proc)
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert refused.headers["WWW-Authenticate"] == "Bearer"  # the balancer's /stats says it as a replica does
     assert stats.status_code == 200 and stats.json()["replicas_answering"] == 1
 
 
