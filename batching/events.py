@@ -5,8 +5,9 @@ hands it to the engine (static and nobatch modes hold it there while a batch run
 hands it over at the next step); then *admitted* (in the engine's queue, or back there after
 a preemption) until a step schedules it; in *prefill* while its prompt (or, after a
 preemption, its whole context) is computed, then *decoding* from the token that ends the
-prefill, until it ends: finished, failed or cancelled. Request threads record arrivals, the loop thread everything else; readers get
-copies, so memory stays constant whatever the uptime and the loop never waits on them.
+prefill, until it ends: finished, failed or cancelled. Request threads record arrivals, the
+loop thread everything else; readers get copies, so memory stays constant whatever the uptime
+and the loop never waits on them.
 """
 
 import threading
