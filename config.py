@@ -42,7 +42,7 @@ class Settings:
     chat_template: str = ""  # /v1/chat/completions: a template file (api/chat_template.toml's shape); empty: that one
     replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
     request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)
-    timeline_window_s: float = 30.0  # /stats/timeline's latency and throughput: over this many recent seconds
+    timeline_window_s: float = 30.0  # /stats "window", /stats/timeline, the page: latency and tokens/s over it
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
