@@ -39,7 +39,6 @@ from client import cpu  # noqa: E402
 from client.client import fetch_stats, run_load  # noqa: E402
 from client.launch import start_cluster, start_server, stop_all_on_signal, stop_server  # noqa: E402
 from client.metrics import SLO_METRICS, RequestResult, Summary, summarize  # noqa: E402
-from client.plots import plot_all  # noqa: E402
 from client.report import results_tables, write_report  # noqa: E402
 from client.stream import stream_completion  # noqa: E402
 from client.workloads import GROUPS, WORKLOADS, Workload, build  # noqa: E402
@@ -336,6 +335,8 @@ def publish(results: dict[str, Any], out: Path, report: bool) -> None:
     tables = results_tables(results["runs"], markdown=False, greedy=results["args"].get("temperature") == 0)
     print(f"\n{results['title']}\n{tables}")
     write_results(results, out)
+    from client.plots import plot_all  # matplotlib: checked before the first server starts (check_dependencies)
+
     pictures = plot_all(results["runs"], out)
     if report:
         write_report(out / "report.md", results, pictures)
