@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -207,7 +208,9 @@ def parse_slo(text: str) -> tuple[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=WORKLOADS, default="seed-like")
-    parser.add_argument("--modes", help="comma-separated, from " + ", ".join(MODES) + " (default: the workload's)")
+    parser.add_argument(
+        "--modes", help="comma-separated, from " + ", ".join(MODES) + "; none: baselines only (default: the workload's)"
+    )
     parser.add_argument("--prefix-cache", help="PREFIX_CACHE settings to run each mode with, e.g. off,on")
     parser.add_argument("--chunked-prefill", help="CHUNKED_PREFILL settings to run each mode with, e.g. off,on")
     parser.add_argument("--batch-sizes", help="MAX_BATCH_SIZE values to run each mode with, e.g. 8,32,128")
@@ -234,13 +237,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-batch", type=int, help="its static batch size (default: MAX_BATCH_SIZE)")
     parser.add_argument("--out", type=Path, help="where results.json and the plots go (default: results/WORKLOAD)")
     parser.add_argument("--report", action="store_true", help="also write report.md there, with table and plots")
-    parser.add_argument("--rebuild", type=Path, help="only recompute the tables and plots of the results.json here")
+    parser.add_argument(
+        "--rebuild",
+        type=Path,
+        nargs="+",
+        help="only recompute the tables and plots of the results.json here (of several: their runs together, in --out)",
+    )
     args = parser.parse_args(argv)
     spec = WORKLOADS[args.workload]
     args.numsamples = args.numsamples or spec.numsamples
     args.rate = args.rate or spec.rate
     args.mean_tokens = args.mean_tokens or spec.mean_tokens
-    args.modes = args.modes.split(",") if args.modes else list(spec.modes)
+    args.modes = [] if args.modes == "none" else args.modes.split(",") if args.modes else list(spec.modes)
     args.prefix_cache = args.prefix_cache.split(",") if args.prefix_cache else list(spec.prefix_cache)
     args.chunked_prefill = args.chunked_prefill.split(",") if args.chunked_prefill else list(spec.chunked_prefill)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else []
@@ -257,6 +265,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--numsamples, --rate, --mean-tokens and --batch-sizes must be positive")
     if not set(args.baseline) <= set(BASELINES):
         parser.error(f"--baseline takes {', '.join(BASELINES)}")
+    if not args.modes and not args.baseline and not args.url and not args.rebuild:
+        parser.error("--modes none runs no server: give --baseline")
     if args.groups < 1:
         parser.error("--groups must be positive")
     if min(args.replicas, default=1) < 1 or not set(args.balance) <= set(BALANCES):
@@ -295,7 +305,9 @@ def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as log_dir:
             for spec in planned_runs(args):
                 with started(spec, Path(log_dir)) as (url, pid):
-                    done(measure(url, spec, workload, args, server_pid=pid))
+                    run = measure(url, spec, workload, args, server_pid=pid)
+                keep_logs(Path(log_dir), args.out / "logs")  # KV blocks, kernel compiles, graph capture, errors
+                done(run)
     for name in args.baseline:  # after the servers stopped, so each has the device to itself
         done(measure_baseline(name, workload, args))
     return results
@@ -325,6 +337,14 @@ def _to_microseconds(value: Any) -> Any:
     return value
 
 
+def keep_logs(log_dir: Path, into: Path) -> None:
+    """Copy the servers' logs (not a cluster's sockets) out of the run's temporary directory."""
+    for log in log_dir.rglob("*.log"):
+        target = into / log.relative_to(log_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+
+
 def write_results(results: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_to_microseconds(results), separators=(",", ":"), default=str))
@@ -347,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.rebuild:
-        results = resummarize(json.loads((args.rebuild / "results.json").read_text()))
+        parts = [json.loads((directory / "results.json").read_text()) for directory in args.rebuild]
+        results = resummarize({**parts[0], "runs": [run for part in parts for run in part["runs"]]})
     else:
         missing = check_dependencies(args)
         if missing:
@@ -358,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_experiment(args, argv)
         finally:
             restore_signals()
-    publish(results, args.rebuild or args.out, args.report)
+    publish(results, args.rebuild[0] if args.rebuild and len(args.rebuild) == 1 else args.out, args.report)
     return 1 if any(run["summary"]["requests_failed"] for run in results["runs"]) else 0
 
 
