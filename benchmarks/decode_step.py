@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sweep", action="store_true", help="time one layer's decode attention under every kernel setting instead"
     )
+    parser.add_argument("--heads", type=int, help="--sweep: attention heads (default: the model's)")
     return parser.parse_args()
 
 
@@ -158,7 +159,9 @@ def main() -> None:
         from benchmarks.kernel_sweep import sweep  # needs triton
 
         print(f"{args.model}: one layer's decode attention on {device}, {dtype}, prompts of {args.context} tokens")
-        sweep(PRESETS[args.model], batch_sizes, args.context, dtype, device, args.steps)
+        config = PRESETS[args.model]
+        config = replace(config, n_head=args.heads, n_embd=args.heads * config.head_dim) if args.heads else config
+        sweep(config, batch_sizes, args.context, dtype, device, args.steps)
         return
     model = load_model(f"random:{args.model}", device, dtype).model
     bandwidth = args.bandwidth or copy_bandwidth(device)

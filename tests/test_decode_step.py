@@ -42,7 +42,8 @@ def test_times_each_batch_size_with_the_whole_batch_decoding():
 )
 def test_sweep_prints_every_knob_combination_with_the_default_first():
     pytest.importorskip("triton")
-    run = decode_step("--sweep", "--model", "gpt2", "--batch-sizes", "1", "--context", "8", "--steps", "1")
+    tiny = ["--model", "gpt2", "--heads", "1", "--batch-sizes", "1", "--context", "8", "--steps", "1"]
+    run = decode_step("--sweep", *tiny)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [[c.strip() for c in line.split("|")] for line in run.stdout.splitlines() if line.count("|") == 8]
     header, rows = rows[0], rows[1:]
