@@ -313,6 +313,18 @@ def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return results
 
 
+def merged(directories: list[Path]) -> dict[str, Any]:
+    """The results.json of each directory, their runs together; a label met before gets its directory's name."""
+    parts = [(d, json.loads((d / "results.json").read_text())) for d in directories]
+    runs, seen = [], set()
+    for directory, part in parts:
+        for run in part["runs"]:
+            label = run["label"] if run["label"] not in seen else f"{run['label']} ({directory.name})"
+            seen.add(label)
+            runs.append({**run, "label": label})
+    return {**parts[0][1], "runs": runs}
+
+
 def resummarize(results: dict[str, Any]) -> dict[str, Any]:
     """`results` with every run's summary computed again from its raw requests (after the metrics changed)."""
     for run in results["runs"]:
@@ -367,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.rebuild:
-        parts = [json.loads((directory / "results.json").read_text()) for directory in args.rebuild]
-        results = resummarize({**parts[0], "runs": [run for part in parts for run in part["runs"]]})
+        results = resummarize(merged(args.rebuild))
     else:
         missing = check_dependencies(args)
         if missing:

@@ -279,3 +279,22 @@ def test_modes_none_runs_only_what_baseline_names():
         parse_args(["--modes", "none"])
     with pytest.raises(SystemExit):
         parse_args(["--baseline", "vllm"])
+
+
+def test_rebuild_of_several_directories_puts_their_runs_in_one_table(tmp_path):
+    request = {"ok": True, "prompt_tokens": 4, "output_tokens": 3, "ttft_s": 0.1, "latency_s": 0.5, "error": None,
+               "requested_tokens": 3, "itl_s": [0.2, 0.2], "sent_s": 0.0}  # fmt: skip
+    machine = {"cpu": "x", "cpus": 1, "gpu": None, "torch": "t", "python": "p"}
+    for name, seconds in (("after", 1.0), ("before", 3.0)):
+        run = {"label": "dynamic", "mode": "dynamic", "batch_size": None, "model": "m",
+               "summary": {"duration_s": seconds}, "requests": [request]}  # fmt: skip
+        results = {"title": name, "command": "c", "machine": machine, "args": {"slo": {}}, "runs": [run]}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(results))
+    out = tmp_path / "both"
+    assert main(["--rebuild", str(tmp_path / "after"), str(tmp_path / "before"), "--out", str(out)]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["label"], r["summary"]["output_tokens_per_s"]) for r in runs] == [
+        ("dynamic", pytest.approx(3.0)),
+        ("dynamic (before)", pytest.approx(1.0)),
+    ]
