@@ -140,18 +140,20 @@ def record(
 
 def measure_baseline(name: str, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     """One baseline (BASELINES) on the workload, offline, on the device the servers used."""
-    # transformers is imported only when a baseline is asked for: the server does not need it
-    from client.baseline import run_baseline
-    from client.baseline_cb import run_cb_baseline
     from model.tokenizer import load_tokenizer
 
     settings = Settings.from_env()
     used = None
+    # transformers is imported only when a baseline is asked for: the server does not need it
     if name == "transformers-cb":
+        from client.baseline_cb import run_cb_baseline
+
         results, duration_s, tokens, used = run_cb_baseline(workload, settings, args.temperature)
         spec = RunSpec(name, name, {}, None)
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in used.items()), flush=True)
     else:
+        from client.baseline import run_baseline
+
         size = args.baseline_batch or settings.max_batch_size
         results, duration_s, tokens = run_baseline(workload, settings, size, args.temperature)
         spec = RunSpec(f"transformers b={size}", name, {}, size)
