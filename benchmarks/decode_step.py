@@ -14,6 +14,8 @@ DTYPE), so the same command measures each backend:
     DEVICE=cuda python -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200
     DEVICE=cuda ATTENTION_BACKEND=reference CUDA_GRAPHS=off python -m benchmarks.decode_step
     python -m benchmarks.decode_step --model gpt2 --batch-sizes 1,8 --steps 10      # CPU
+    DEVICE=cuda python -m benchmarks.decode_step --profile     # and a profiler's table of one decode step per batch
+    DEVICE=cuda python -m benchmarks.decode_step --sweep --batch-sizes 32,128,256   # the kernel's knobs instead
 """
 
 import argparse
@@ -43,6 +45,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     parser.add_argument("--bandwidth", type=float, help="bytes/s for the floor (default: a large copy's, measured)")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's table of one decode step")
+    parser.add_argument(
+        "--sweep", action="store_true", help="time one layer's decode attention under every kernel setting instead"
+    )
+    parser.add_argument("--heads", type=int, help="--sweep: attention heads (default: the model's)")
     return parser.parse_args()
 
 
@@ -97,10 +104,11 @@ def make_engine(model: GPT, settings: Settings, batch: int, context: int, steps:
 
 
 def time_decode(
-    engine: Engine, model: GPT, batch: int, context: int, steps: int, new_tokens: int
+    engine: Engine, model: GPT, batch: int, context: int, steps: int, new_tokens: int, profile: bool = False
 ) -> tuple[float, dict[str, float], float]:
     """Mean seconds per decode step of `batch` sequences of `context` prompt tokens, the mean seconds per
-    stage, and the mean context the timed steps attended over (prompt and what was decoded by then)."""
+    stage, and the mean context the timed steps attended over (prompt and what was decoded by then); with
+    `profile`, prints the profiler's table of one more decode step."""
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=new_tokens, temperature=0)
     for _ in range(batch):
@@ -122,28 +130,52 @@ def time_decode(
     mean_context = (2 * tokens_before + batch * (steps - 1)) / (2 * batch)
     records = [r for r in engine.step_log.since(first - 1)]
     stages = {name: statistics.mean(r.stages.get(name, 0.0) for r in records) for name in records[0].stages}
+    if profile:
+        print(profile_step(engine, model.wte.weight.device, batch))
     while engine.has_work():
         engine.step()
     return seconds, stages, mean_context
+
+
+def profile_step(engine: Engine, device: torch.device, batch: int) -> str:
+    """torch.profiler's table of one decode step: where the time goes, kernel by kernel on a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_gpu
+    with profile(activities=activities) as prof:
+        engine.step()
+        synchronize(device)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if on_gpu else "cpu_time_total", row_limit=30)
+    return f"profile of one decode step at batch {batch}:\n{table}"
 
 
 def main() -> None:
     args = parse_args()
     settings = Settings.from_env()
     device, dtype = device_and_dtype(settings)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.sweep:
+        from benchmarks.kernel_sweep import sweep  # needs triton
+
+        print(f"{args.model}: one layer's decode attention on {device}, {dtype}, prompts of {args.context} tokens")
+        config = PRESETS[args.model]
+        config = replace(config, n_head=args.heads, n_embd=args.heads * config.head_dim) if args.heads else config
+        sweep(config, batch_sizes, args.context, dtype, device, args.steps)
+        return
     model = load_model(f"random:{args.model}", device, dtype).model
     bandwidth = args.bandwidth or copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"{args.model} (random weights) on {name}, {dtype}, torch {torch.__version__}")
     print(f"prompts of {args.context} tokens; the floor at {bandwidth / 1e9:.0f} GB/s")
-    for i, batch in enumerate(int(b) for b in args.batch_sizes.split(",")):
+    for i, batch in enumerate(batch_sizes):
         engine, new_tokens = make_engine(model, settings, batch, args.context, args.steps)
         if i == 0:
             print(f"attention: {engine.runner.attention}; CUDA graphs: {'on' if engine.runner.graphs else 'off'}")
             print(
                 "batch | context | step ms |   tok/s | floor ms | floor/step | schedule | build | forward | sample (ms)"
             )
-        seconds, stages, context = time_decode(engine, model, batch, args.context, args.steps, new_tokens)
+        seconds, stages, context = time_decode(engine, model, batch, args.context, args.steps, new_tokens, args.profile)
         floor = step_bytes(model, dtype, batch, context) / bandwidth
         parts = " | ".join(
             f"{1000 * stages.get(stage, 0.0):.2f}" for stage in ("schedule", "build", "forward", "sample")

@@ -1,91 +1,173 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements of the README, in stages that each end well inside ten minutes.
+# The GPU checks and measurements of the README, in stages that each end well inside ten minutes (one
+# device command each: the sum of a stage's step limits stays under 560 s).
 #
-#   bash benchmarks/gpu_suite.sh wheels          # with network: what a bare GPU image lacks, into .whl/
-#   bash benchmarks/gpu_suite.sh check           # versions, the CUDA tests, decode steps with both backends
-#   bash benchmarks/gpu_suite.sh saturate        # saturate with the transformers baseline, and the same
-#                                                #   dynamic run without the kernel and graphs ("before")
-#   bash benchmarks/gpu_suite.sh seed-like       # seed-like with the baseline
-#   bash benchmarks/gpu_suite.sh check saturate  # stages run in the order given
+#   bash benchmarks/gpu_suite.sh wheels              # with network: what the GPU image lacks, into .whl/
+#   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
+#   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
+#                                                    #   kernel's knobs swept
+#   bash benchmarks/gpu_suite.sh saturate            # saturate (128): static and dynamic, then dynamic without
+#                                                    #   the kernel and graphs ("before": one change)
+#   bash benchmarks/gpu_suite.sh saturate-others     # saturate: nobatch, transformers' generate, its continuous
+#                                                    #   batching
+#   bash benchmarks/gpu_suite.sh seed-like           # seed-like (100 at 1 req/s): each mode
+#   bash benchmarks/gpu_suite.sh seed-like-baselines # seed-like: both transformers baselines
+#   bash benchmarks/gpu_suite.sh check tune          # stages run in the order given
 #
-# On a machine without the server's packages it installs the wheels in .whl/ (if any) into
-# /tmp/site first. Each stage writes one log and, for the benchmarks, one .tar.gz of the
-# results directory into $OUT (default results/gpu), and the last lines it prints are a table
-# of what ran, how long it took and whether it passed (also in $OUT/summary.txt). A failing step
-# does not stop the rest. At most six files reach $OUT, to be copied back from the GPU machine.
+# The device call must carry .whl (run: carry [".whl"]) on an image without flask, gunicorn,
+# python-dotenv or openai: they are installed from it into /tmp/site first. Each stage writes into
+# $OUT (default results/gpu) its log and one .tar.gz (results, server logs, profiler table,
+# nvidia-smi after each step), and prints last a table of each step's time against its limit, GPU
+# memory in use after it and whether it passed (also in $OUT/summary.txt): three files a stage,
+# within the device's eight. A failing step does not stop the rest, and what a step leaves behind
+# (a server past its time limit) is killed before the next.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
+ROOT=$(pwd -P)
 
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1  # no progress bars in the logs
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.txt
+RESULTS=results/gpu-runs  # each step's results; a stage's go into its archive
 : >"$SUMMARY"
 
-wheels() {  # the server's and the tests' packages for Python 3.12 on x86-64 Linux, with their needs
-  rm -rf .whl && mkdir .whl
+wheels() {  # the server's and the tests' packages for Python 3.12 on x86-64 Linux that the GPU image lacks
+  local all=/tmp/gpu-wheels
+  rm -rf .whl "$all" && mkdir .whl
+  # Resolved together (so versions agree), then only those the image lacks are kept: installed --no-deps,
+  # nothing shadows the image's own packages.
   "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl flask gunicorn python-dotenv openai
+    --platform manylinux2014_x86_64 -d "$all" $(grep -v '^torch' requirements.txt | sed 's/#.*//') openai || return
+  for wheel in "$all"/*.whl; do
+    name=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z_.' 'a-z--')
+    grep -qx "$name" benchmarks/gpu_image_packages.txt || cp "$wheel" .whl/
+  done
+  rm -rf "$all"
   ls .whl
 }
 
 install_wheels() {
   "$PY" -c "import flask, gunicorn, dotenv, openai" 2>/dev/null && return
-  ls .whl/*.whl >/dev/null 2>&1 || { echo "flask, gunicorn, python-dotenv or openai missing, and no .whl/" >&2; exit 1; }
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "flask, gunicorn, python-dotenv or openai missing, and no .whl/ (carry it)" >&2; exit 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  "$PY" -c "import flask, gunicorn, dotenv, openai" || exit 1
 }
 
-step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output into the stage's log
+leftovers() {  # servers and balancers started from this checkout that are still running
+  local pid
+  for pid in $(pgrep -f 'gunicorn|haproxy|cluster.sh'); do
+    [ "$(readlink "/proc/$pid/cwd" 2>/dev/null)" = "$ROOT" ] && echo "$pid"
+  done
+}
+
+kill_leftovers() {  # a step past its limit may leave a server holding the GPU: TERM its group, then KILL
+  local pids pid
+  pids=$(leftovers)
+  [ -z "$pids" ] && return
+  echo "killing what the step left: $(echo $pids)"
+  for pid in $pids; do kill -TERM -- "-$(ps -o pgid= "$pid" | tr -d ' ')" "$pid" 2>/dev/null; done
+  for _ in $(seq 50); do [ -z "$(leftovers)" ] && return; sleep 0.2; done
+  for pid in $(leftovers); do kill -KILL -- "-$(ps -o pgid= "$pid" | tr -d ' ')" "$pid" 2>/dev/null; done
+}
+
+gpu_memory() {
+  command -v nvidia-smi >/dev/null || { echo "-"; return; }
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | sed 's/$/ MiB/'
+}
+
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit; its time against the limit into the summary
   local name=$1 limit=$2 start rc
   shift 2
-  echo "=== $name: $*"
+  echo "=== $name (limit ${limit}s): $*"
   start=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@"
-  rc=$?
-  printf '%-18s %5ss  %s\n' "$name" "$(($(date +%s) - start))" "$([ $rc = 0 ] && echo ok || echo "FAILED ($rc)")" >>"$SUMMARY"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"  # into the archive too
+  rc=${PIPESTATUS[0]}
+  kill_leftovers
+  { echo "=== after $name"; command -v nvidia-smi >/dev/null && nvidia-smi; } >>"$RESULTS/nvidia-smi.txt" 2>&1
+  printf '%-22s %4ss of %4ss  GPU %-10s %s\n' "$name" "$(($(date +%s) - start))" "$limit" "$(gpu_memory)" \
+    "$([ $rc = 0 ] && echo ok || echo "FAILED ($rc)")" | tee -a "$SUMMARY"
+}
+
+benchmark() {  # benchmark NAME SECONDS [ENV=VALUE...] -- BENCHMARK ARGS...: one benchmark step, results in $RESULTS/NAME
+  local name=$1 limit=$2 settings=()
+  shift 2
+  while [ "$1" != -- ]; do settings+=("$1"); shift; done
+  shift
+  step "$name" "$limit" env MODEL="${MODEL:-random:gpt2-medium}" "${settings[@]}" "$PY" client/benchmark.py "$@" \
+    --report --out "$RESULTS/$name"
+}
+
+archive() {  # archive STAGE STEP...: the steps' results (merged into one table), server logs and the rest
+  local stage=$1 dirs=()
+  shift
+  for name in "$@"; do [ -f "$RESULTS/$name/results.json" ] && dirs+=("$RESULTS/$name"); done
+  [ ${#dirs[@]} -gt 0 ] && "$PY" client/benchmark.py --rebuild "${dirs[@]}" --report --out "$RESULTS/$stage"
+  tar czf "$OUT/$stage.tar.gz" -C "$RESULTS" .
 }
 
 check() {
-  step nvidia-smi 30 nvidia-smi
+  step nvidia-smi 20 nvidia-smi
   step versions 60 "$PY" -c "import sys, torch, triton, transformers as t; print(sys.version, 'torch', torch.__version__,
 torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__, 'transformers', t.__version__)"
   # Greedy output against transformers through the kernel and graph capture, in float32 and in half
-  # precision; then every mode and the API through real servers (kernel and graphs, in float32).
-  step cuda-tests 300 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider \
+  # precision; then every mode and the API through real servers (kernel and graphs, in float32). The
+  # first run compiles the kernel's variants (Triton's cache is cold) and captures graphs at each start.
+  step cuda-kernel-model 200 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider \
     tests/test_triton_attention.py tests/test_half_precision.py tests/test_model.py tests/test_forks.py \
-    tests/test_prefix_cache.py tests/test_chunked_prefill.py tests/test_prompt_logprobs.py \
-    tests/test_server.py tests/test_openai.py
-  step decode-triton 90 "$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200
-  step decode-reference 90 env ATTENTION_BACKEND=reference CUDA_GRAPHS=off \
-    "$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200
+    tests/test_prefix_cache.py tests/test_chunked_prefill.py tests/test_prompt_logprobs.py
+  step cuda-servers 300 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider \
+    tests/test_server.py tests/test_openai.py tests/test_benchmark_safety.py
+  archive check
+}
+
+tune() {
+  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200)
+  step decode-triton 150 "${decode[@]}" --profile
+  step decode-reference 120 env ATTENTION_BACKEND=reference CUDA_GRAPHS=off "${decode[@]}"
+  step kernel-sweep 200 "$PY" -m benchmarks.decode_step --sweep --batch-sizes 32,128,256 --context 200 --steps 20
+  archive tune
 }
 
 saturate() {
-  export MODEL=${MODEL:-random:gpt2-medium}
-  step saturate 330 "$PY" client/benchmark.py --workload saturate --numsamples 128 --baseline --report \
-    --out results/gpu/saturate
-  step saturate-before 150 env ATTENTION_BACKEND=reference CUDA_GRAPHS=off CHUNKED_PREFILL=off \
-    "$PY" client/benchmark.py --workload saturate --numsamples 128 --modes dynamic --out results/gpu/saturate-before
-  tar czf "$OUT/saturate-results.tar.gz" -C results/gpu saturate saturate-before
+  local common=(--workload saturate --numsamples 128)
+  benchmark saturate-batched 260 -- "${common[@]}" --modes static,dynamic
+  # "before": the same dynamic run with the kernel and graphs off and nothing else changed
+  benchmark saturate-before 200 ATTENTION_BACKEND=reference CUDA_GRAPHS=off -- "${common[@]}" --modes dynamic
+  archive saturate saturate-batched saturate-before
+}
+
+saturate_others() {
+  local common=(--workload saturate --numsamples 128)
+  benchmark saturate-nobatch 240 -- "${common[@]}" --modes nobatch
+  benchmark saturate-baselines 300 -- "${common[@]}" --modes none --baseline transformers,transformers-cb
+  archive saturate-others saturate-nobatch saturate-baselines
 }
 
 seed_like() {
-  export MODEL=${MODEL:-random:gpt2-medium}
-  step seed-like 540 "$PY" client/benchmark.py --workload seed-like --baseline --report --out results/gpu/seed-like
-  tar czf "$OUT/seed-like-results.tar.gz" -C results/gpu seed-like
+  benchmark seed-like-nobatch 180 -- --workload seed-like --modes nobatch
+  benchmark seed-like-static 170 -- --workload seed-like --modes static
+  benchmark seed-like-dynamic 170 -- --workload seed-like --modes dynamic
+  archive seed-like seed-like-nobatch seed-like-static seed-like-dynamic
 }
 
-[ $# -gt 0 ] || { sed -n '2,9p' "$0"; exit 2; }
+seed_like_baselines() {
+  benchmark seed-like-baselines 330 -- --workload seed-like --modes none --baseline transformers,transformers-cb
+  archive seed-like-baselines seed-like-baselines
+}
+
+[ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
-    check | saturate | seed-like) ;;
+    check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels
+  rm -rf "$RESULTS" && mkdir -p "$RESULTS"
   "${stage//-/_}" 2>&1 | tee "$OUT/$stage.log"
 done
 cat "$SUMMARY"

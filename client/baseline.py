@@ -37,22 +37,25 @@ class StepClock(LogitsProcessor):
 
 def run_baseline(
     workload: Workload, settings: Settings, batch_size: int, temperature: float
-) -> tuple[list[RequestResult], float]:
-    """Every request's result, in order, and the run's wall time; weights and device as the server's."""
+) -> tuple[list[RequestResult], float, list[list[int]]]:
+    """Every request's result and generated tokens, in order, and the run's wall time; weights and device as the
+    server's."""
     device, dtype = device_and_dtype(settings)
     hf = to_transformers(load_model(settings.model, device, dtype, settings.seed).model).to(device, dtype)
     torch.manual_seed(workload.requests[0].seed if workload.requests else 0)
     results: list[RequestResult | None] = [None] * len(workload.requests)
+    tokens: list[list[int]] = [[] for _ in workload.requests]
     waiting = deque(range(len(workload.requests)))
     start = time.perf_counter()
     while waiting:
         # Sleeping here waits for the next arrival when the model is idle; no result is awaited.
         time.sleep(max(0.0, start + workload.offsets[waiting[0]] - time.perf_counter()))
         batch = _take_batch(waiting, workload, time.perf_counter() - start, batch_size)
-        step_times = _generate(hf, [workload.requests[i] for i in batch], temperature, device)
-        for i in batch:
+        step_times, generated = _generate(hf, [workload.requests[i] for i in batch], temperature, device)
+        for i, row in zip(batch, generated):
             results[i] = _result(workload.requests[i], workload.offsets[i], step_times, start)
-    return results, time.perf_counter() - start
+            tokens[i] = row[: workload.requests[i].num_tokens]
+    return results, time.perf_counter() - start, tokens
 
 
 def _take_batch(waiting: deque[int], workload: Workload, now_s: float, batch_size: int) -> list[int]:
@@ -67,8 +70,10 @@ def _take_batch(waiting: deque[int], workload: Workload, now_s: float, batch_siz
 
 
 @torch.inference_mode()
-def _generate(hf, batch: list[Request], temperature: float, device: torch.device) -> list[float]:
-    """Run one static batch; the time each step's token was ready."""
+def _generate(
+    hf, batch: list[Request], temperature: float, device: torch.device
+) -> tuple[list[float], list[list[int]]]:
+    """Run one static batch; the time each step's token was ready, and each row's generated tokens."""
     width = max(len(r.prompt_ids) for r in batch)
     input_ids = torch.tensor([[EOT_ID] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])  # [B, P]
     mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])  # [B, P]
@@ -91,7 +96,7 @@ def _generate(hf, batch: list[Request], temperature: float, device: torch.device
         logits_processor=LogitsProcessorList([clock]),
     )
     assert out.shape == (len(batch), width + new_tokens) and len(clock.times) == new_tokens
-    return clock.times
+    return clock.times, out[:, width:].tolist()
 
 
 def _result(request: Request, offset_s: float, step_times: list[float], start: float) -> RequestResult:

@@ -6,6 +6,8 @@ streams the workload through /v1/completions, reads /stats, stops the server and
 per-request measurements (results.json), the plots and, with --report, a Markdown report.
 
 python client/benchmark.py --workload seed-like --baseline --report
+python client/benchmark.py --workload saturate --numsamples 64 --temperature 0 --modes dynamic \
+    --baseline transformers,transformers-cb                  # both transformers baselines, greedy outputs compared
 python client/benchmark.py --workload saturate --numsamples 128 --max-concurrency 64
 python client/benchmark.py --workload shared-prefix            # prefix cache off vs on
 python client/benchmark.py --workload saturate --batch-sizes 8,32,128 --modes static,dynamic
@@ -16,10 +18,12 @@ python client/benchmark.py --workload grouped-prefix --replicas 1,4 --balance pr
 import argparse
 import contextlib
 import functools
+import importlib
 import itertools
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -34,9 +38,8 @@ import requests  # noqa: E402
 
 from client import cpu  # noqa: E402
 from client.client import fetch_stats, run_load  # noqa: E402
-from client.launch import start_cluster, start_server, stop_server  # noqa: E402
+from client.launch import start_cluster, start_server, stop_all_on_signal, stop_server  # noqa: E402
 from client.metrics import SLO_METRICS, RequestResult, Summary, summarize  # noqa: E402
-from client.plots import plot_all  # noqa: E402
 from client.report import results_tables, write_report  # noqa: E402
 from client.stream import stream_completion  # noqa: E402
 from client.workloads import GROUPS, WORKLOADS, Workload, build  # noqa: E402
@@ -45,11 +48,14 @@ from model.loader import resolve_model  # noqa: E402
 
 SETTING_NAMES = [f.name.upper() for f in fields(Settings)]
 BALANCES = ("prefix", "roundrobin")  # cluster.sh's BALANCE
+# transformers' static `generate` in padded batches, and its continuous batching over a paged cache
+BASELINES = ("transformers", "transformers-cb")
+TRANSFORMERS_INSTALL = "pip install 'transformers>=5.0'"  # what the baselines need (requirements-dev.txt has it)
 
 
 class RunSpec(NamedTuple):
     label: str
-    mode: str  # a server mode, or "transformers" for the baseline
+    mode: str  # a server mode, or a baseline's name (BASELINES)
     settings: dict[str, str]  # server settings on top of the environment
     batch_size: int | None  # MAX_BATCH_SIZE when the run sets it
     replicas: int | None = None  # a cluster of this many replicas behind HAProxy (./cluster.sh), or one server
@@ -93,6 +99,7 @@ def started(spec: RunSpec, log_dir: Path) -> Iterator[tuple[str, int]]:
         proc, url = start_cluster([str(spec.replicas), spec.mode], log_dir, **settings)
     else:
         proc, url = start_server(spec.mode, log_dir, **spec.settings)
+    print(f"{spec.label}: server up at {url} (process group {proc.pid})", flush=True)
     try:
         yield url, proc.pid
     finally:
@@ -131,14 +138,47 @@ def record(
     }
 
 
-def measure_baseline(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    from client.baseline import run_baseline  # imports transformers, a test-time dependency: only when asked
+def measure_baseline(name: str, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """One baseline (BASELINES) on the workload, offline, on the device the servers used."""
+    from model.tokenizer import load_tokenizer
 
     settings = Settings.from_env()
-    size = args.baseline_batch or settings.max_batch_size
-    results, duration_s = run_baseline(workload, settings, size, args.temperature)
-    spec = RunSpec(f"transformers b={size}", "transformers", {}, size)
-    return record(spec, resolve_model(settings.model).name, results, duration_s, args)
+    used = None
+    # transformers is imported only when a baseline is asked for: the server does not need it
+    if name == "transformers-cb":
+        from client.baseline_cb import run_cb_baseline
+
+        results, duration_s, tokens, used = run_cb_baseline(workload, settings, args.temperature)
+        spec = RunSpec(name, name, {}, None)
+        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in used.items()), flush=True)
+    else:
+        from client.baseline import run_baseline
+
+        size = args.baseline_batch or settings.max_batch_size
+        results, duration_s, tokens = run_baseline(workload, settings, size, args.temperature)
+        spec = RunSpec(f"transformers b={size}", name, {}, size)
+    tokenizer = load_tokenizer()
+    results = [r._replace(text=tokenizer.decode(ids)) for r, ids in zip(results, tokens, strict=True)]
+    return {**record(spec, resolve_model(settings.model).name, results, duration_s, args), "baseline_settings": used}
+
+
+def check_dependencies(args: argparse.Namespace) -> str | None:
+    """What the run will need that is not installed, as a one-line error naming the install command; None if
+    nothing. Checked before the first server starts, so no measurement is lost to a missing package."""
+    needs = {"matplotlib": ("the plots", "pip install -r requirements.txt")}
+    if args.baseline:
+        needs["transformers"] = ("--baseline", TRANSFORMERS_INSTALL)
+    for module, (what, install) in needs.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return f"{what} needs {module}, which cannot be imported ({exc}): {install}"
+    if "transformers-cb" in args.baseline:
+        from transformers import GenerationMixin
+
+        if not hasattr(GenerationMixin, "init_continuous_batching"):
+            return f"--baseline transformers-cb needs transformers' continuous batching (5.x): {TRANSFORMERS_INSTALL}"
+    return None
 
 
 def machine() -> dict[str, Any]:
@@ -170,7 +210,9 @@ def parse_slo(text: str) -> tuple[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=WORKLOADS, default="seed-like")
-    parser.add_argument("--modes", help="comma-separated, from " + ", ".join(MODES) + " (default: the workload's)")
+    parser.add_argument(
+        "--modes", help="comma-separated, from " + ", ".join(MODES) + "; none: baselines only (default: the workload's)"
+    )
     parser.add_argument("--prefix-cache", help="PREFIX_CACHE settings to run each mode with, e.g. off,on")
     parser.add_argument("--chunked-prefill", help="CHUNKED_PREFILL settings to run each mode with, e.g. off,on")
     parser.add_argument("--batch-sizes", help="MAX_BATCH_SIZE values to run each mode with, e.g. 8,32,128")
@@ -186,23 +228,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     parser.add_argument("--slo", type=parse_slo, nargs="+", default=[], help="goodput SLOs in ms, e.g. ttft:500")
-    parser.add_argument("--baseline", action="store_true", help="also run transformers' generate, offline")
+    parser.add_argument(
+        "--baseline",
+        nargs="?",
+        const="transformers",
+        default="",
+        help="also run these, offline, comma-separated: transformers (static generate, the default), transformers-cb"
+        " (its continuous batching)",
+    )
     parser.add_argument("--baseline-batch", type=int, help="its static batch size (default: MAX_BATCH_SIZE)")
     parser.add_argument("--out", type=Path, help="where results.json and the plots go (default: results/WORKLOAD)")
     parser.add_argument("--report", action="store_true", help="also write report.md there, with table and plots")
-    parser.add_argument("--rebuild", type=Path, help="only recompute the tables and plots of the results.json here")
+    parser.add_argument(
+        "--rebuild",
+        type=Path,
+        nargs="+",
+        help="only recompute the tables and plots of the results.json here (of several: their runs together, in --out)",
+    )
     args = parser.parse_args(argv)
     spec = WORKLOADS[args.workload]
     args.numsamples = args.numsamples or spec.numsamples
     args.rate = args.rate or spec.rate
     args.mean_tokens = args.mean_tokens or spec.mean_tokens
-    args.modes = args.modes.split(",") if args.modes else list(spec.modes)
+    args.modes = [] if args.modes == "none" else args.modes.split(",") if args.modes else list(spec.modes)
     args.prefix_cache = args.prefix_cache.split(",") if args.prefix_cache else list(spec.prefix_cache)
     args.chunked_prefill = args.chunked_prefill.split(",") if args.chunked_prefill else list(spec.chunked_prefill)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else []
     args.replicas = [int(n) for n in args.replicas.split(",")] if args.replicas else []
     args.balance = args.balance.split(",") if args.balance else [BALANCES[0]]
     args.slo = dict(args.slo)
+    args.baseline = args.baseline.split(",") if args.baseline else []
     args.out = args.out or Path("results") / args.workload
     if not set(args.modes) <= set(MODES):
         parser.error(f"--modes must be taken from {', '.join(MODES)}")
@@ -210,6 +265,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--prefix-cache and --chunked-prefill take on, off or both")
     if args.numsamples < 1 or not args.rate > 0 or not args.mean_tokens >= 1 or min(args.batch_sizes, default=1) < 1:
         parser.error("--numsamples, --rate, --mean-tokens and --batch-sizes must be positive")
+    if not set(args.baseline) <= set(BASELINES):
+        parser.error(f"--baseline takes {', '.join(BASELINES)}")
+    if not args.modes and not args.baseline and not args.url and not args.rebuild:
+        parser.error("--modes none runs no server: give --baseline")
     if args.groups < 1:
         parser.error("--groups must be positive")
     if min(args.replicas, default=1) < 1 or not set(args.balance) <= set(BALANCES):
@@ -220,29 +279,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_experiment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """Every planned run, then the baseline; the whole record that results.json holds."""
+    """Every planned run, then the baselines; the whole record that results.json holds, written into --out as each
+    run ends (a run cut short loses only itself: `--rebuild` makes the tables and plots of what was measured)."""
     workload = build(args.workload, args.numsamples, args.rate, args.mean_tokens, args.seed, args.groups)
-    runs = []
-    if args.url:
-        mode = requests.get(f"{args.url}/health", timeout=10).json()["mode"]
-        runs.append(measure(args.url.rstrip("/"), RunSpec(mode, mode, {}, None), workload, args))
-    else:
-        with tempfile.TemporaryDirectory() as log_dir:
-            for spec in planned_runs(args):
-                with started(spec, Path(log_dir)) as (url, pid):
-                    runs.append(measure(url, spec, workload, args, server_pid=pid))
-    if args.baseline:  # after the servers stopped, so it has the device to itself
-        runs.append(measure_baseline(workload, args))
     # The server settings this process passes on, so the command in the report can be run again as it was.
     settings = [f"{name}={os.environ[name]}" for name in SETTING_NAMES if os.environ.get(name)]
-    return {
+    results = {
         "title": f"workload {args.workload}: {args.numsamples} requests at {args.rate} req/s, seed {args.seed}"
         + (f", {args.groups} groups" if args.workload == "grouped-prefix" else ""),
         "command": " ".join([*settings, "python client/benchmark.py", *argv]),
         "machine": machine(),
         "args": vars(args),
-        "runs": runs,
+        "runs": [],
     }
+
+    def done(run: dict[str, Any]) -> None:
+        results["runs"].append(run)
+        s = run["summary"]
+        print(f"{run['label']}: {s['requests_ok']}/{s['requests_ok'] + s['requests_failed']} ok, "
+              f"{s['output_tokens_per_s']:.1f} output tok/s", flush=True)  # fmt: skip
+        write_results(results, args.out)
+
+    if args.url:
+        mode = requests.get(f"{args.url}/health", timeout=10).json()["mode"]
+        done(measure(args.url.rstrip("/"), RunSpec(mode, mode, {}, None), workload, args))
+    else:
+        with tempfile.TemporaryDirectory() as log_dir:
+            for spec in planned_runs(args):
+                with started(spec, Path(log_dir)) as (url, pid):
+                    run = measure(url, spec, workload, args, server_pid=pid)
+                keep_logs(Path(log_dir), args.out / "logs")  # KV blocks, kernel compiles, graph capture, errors
+                done(run)
+    for name in args.baseline:  # after the servers stopped, so each has the device to itself
+        done(measure_baseline(name, workload, args))
+    return results
+
+
+def merged(directories: list[Path]) -> dict[str, Any]:
+    """The results.json of each directory, their runs together; a label met before gets its directory's name."""
+    parts = [(d, json.loads((d / "results.json").read_text())) for d in directories]
+    runs, seen = [], set()
+    for directory, part in parts:
+        for run in part["runs"]:
+            label = run["label"] if run["label"] not in seen else f"{run['label']} ({directory.name})"
+            seen.add(label)
+            runs.append({**run, "label": label})
+    return {**parts[0][1], "runs": runs}
 
 
 def resummarize(results: dict[str, Any]) -> dict[str, Any]:
@@ -269,11 +351,26 @@ def _to_microseconds(value: Any) -> Any:
     return value
 
 
-def publish(results: dict[str, Any], out: Path, report: bool) -> None:
-    """Print the tables; write results.json, the plots and, if asked, report.md into `out`."""
-    print(f"\n{results['title']}\n{results_tables(results['runs'], markdown=False)}")
+def keep_logs(log_dir: Path, into: Path) -> None:
+    """Copy the servers' logs (not a cluster's sockets) out of the run's temporary directory."""
+    for log in log_dir.rglob("*.log"):
+        target = into / log.relative_to(log_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+
+
+def write_results(results: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_to_microseconds(results), separators=(",", ":"), default=str))
+
+
+def publish(results: dict[str, Any], out: Path, report: bool) -> None:
+    """Print the tables; write results.json, the plots and, if asked, report.md into `out`."""
+    tables = results_tables(results["runs"], markdown=False, greedy=results["args"].get("temperature") == 0)
+    print(f"\n{results['title']}\n{tables}")
+    write_results(results, out)
+    from client.plots import plot_all  # matplotlib: checked before the first server starts (check_dependencies)
+
     pictures = plot_all(results["runs"], out)
     if report:
         write_report(out / "report.md", results, pictures)
@@ -284,10 +381,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.rebuild:
-        results = resummarize(json.loads((args.rebuild / "results.json").read_text()))
+        results = resummarize(merged(args.rebuild))
     else:
-        results = run_experiment(args, argv)
-    publish(results, args.rebuild or args.out, args.report)
+        missing = check_dependencies(args)
+        if missing:
+            print(f"benchmark: {missing}", file=sys.stderr)
+            return 2
+        restore_signals = stop_all_on_signal()  # a stopped benchmark leaves no server behind
+        try:
+            results = run_experiment(args, argv)
+        finally:
+            restore_signals()
+    publish(results, args.rebuild[0] if args.rebuild and len(args.rebuild) == 1 else args.out, args.report)
     return 1 if any(run["summary"]["requests_failed"] for run in results["runs"]) else 0
 
 

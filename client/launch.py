@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import requests
@@ -16,6 +16,11 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 HEALTH_DEADLINE_S = 300
 PORTS_FROM = 10000  # servers started here listen at or above this port
+# On a signal every server gets this long to stop before it is killed: `timeout --kill-after=10` kills the
+# benchmark itself 10 s after its TERM, and a server left behind would hold the GPU's memory for the next run.
+STOP_ON_SIGNAL_S = 6.0
+
+_started: dict[int, subprocess.Popen] = {}  # every server started here and not yet stopped, by process id
 
 
 def free_port(following: int = 0) -> int:
@@ -92,6 +97,7 @@ def _start(command: list[str], log: Path, port: int, **settings: str) -> tuple[s
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    _started[proc.pid] = proc
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log)
@@ -101,14 +107,52 @@ def _start(command: list[str], log: Path, port: int, **settings: str) -> tuple[s
     return proc, url
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """TERM to the server's process group (it runs in its own session), KILL after `grace_s`."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    _started.pop(proc.pid, None)
+
+
+def stop_all_on_signal() -> Callable[[], None]:
+    """From now on SIGTERM and SIGINT stop every server started here, then end this process at once with
+    128 + the signal's number; the returned function puts the previous handlers back.
+
+    A server runs in its own session, so the signal that `timeout` or Ctrl-C sends this process's group
+    never reaches it. The process ends without unwinding: its request threads may wait on a server that
+    is gone, and every finished run's results are already on disk.
+    """
+
+    def handler(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_IGN)  # one orderly stop, however many signals
+        print(f"\n{signal.Signals(signum).name}: stopping {len(_started)} server(s)", file=sys.stderr, flush=True)
+        procs = list(_started.values())
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        # Polled, not waited on: the signal may have come while this thread held a Popen's wait lock.
+        deadline = time.monotonic() + STOP_ON_SIGNAL_S
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
+            time.sleep(0.1)
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: a worker may outlive its master
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for signum, action in previous.items():
+            signal.signal(signum, action)
+
+    return restore
 
 
 @contextlib.contextmanager

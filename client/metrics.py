@@ -17,6 +17,7 @@ class RequestResult(NamedTuple):
     itl_s: tuple[float, ...] = ()  # gaps between streamed chunks; empty without streaming
     sent_s: float = 0.0  # when it was sent, from the start of the run
     replica: str | None = None  # the replica that answered (its X-Replica header), behind a balancer
+    text: str | None = None  # the completion's text, to compare greedy outputs between runs
 
 
 def failure(error: str, latency_s: float, requested_tokens: int) -> RequestResult:

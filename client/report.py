@@ -15,8 +15,9 @@ LATENCIES = (
 )
 
 
-def results_tables(runs: list[dict[str, Any]], markdown: bool) -> str:
-    """Throughput per run, then latency per run and metric (mean / median / p99, ms), as serving benchmarks report."""
+def results_tables(runs: list[dict[str, Any]], markdown: bool, greedy: bool = False) -> str:
+    """Throughput per run, then latency per run and metric (mean / median / p99, ms), as serving benchmarks report;
+    for `greedy` runs, how many outputs each run shares with the first."""
     goodput = "goodput_requests_per_s" in runs[0]["summary"] if runs else False
     header = ["run", "ok", "failed", "duration s", "req/s", "out tok/s", "total tok/s"] + ["goodput req/s"] * goodput
     rows = []
@@ -50,7 +51,27 @@ def results_tables(runs: list[dict[str, Any]], markdown: bool) -> str:
     steps = _step_rows(runs)
     if steps:
         tables.append(render(STEP_HEADER, steps, labels=1))
+    if any(run.get("baseline_settings") for run in runs):
+        rows = [[r["label"], ", ".join(f"{k} {v}" for k, v in r["baseline_settings"].items())]
+                for r in runs if r.get("baseline_settings")]  # fmt: skip
+        tables.append(render(["baseline", "settings"], rows, labels=2))
+    if greedy and len(runs) > 1:
+        tables.append(render(*greedy_table(runs), labels=1))
     return "\n\n".join(tables)
+
+
+def greedy_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Per run, the requests whose greedy output is the first run's, text for text (the server streams text;
+    a baseline's tokens are decoded by the same tokenizer), and the first that differs."""
+    first = runs[0]
+    header = ["run", f"outputs equal to {first['label']}", "first that differs"]
+    rows = []
+    for run in runs[1:]:
+        pairs = list(zip(first["requests"], run["requests"], strict=True))
+        same = [a.get("text") is not None and a.get("text") == b.get("text") for a, b in pairs]
+        differs = next((str(i) for i, equal in enumerate(same) if not equal), "-")
+        rows.append([run["label"], f"{sum(same)}/{len(same)}", differs])
+    return header, rows
 
 
 STAGES = ("schedule", "build", "forward", "sample", "deliver")
@@ -136,7 +157,7 @@ def write_report(path: Path, results: dict[str, Any], pictures: list[Path]) -> N
         f"- machine: {hardware}; torch {m['torch']}, Python {m['python']}",
         f"- model: {', '.join(models)}",
         "",
-        results_tables(results["runs"], markdown=True),
+        results_tables(results["runs"], markdown=True, greedy=results["args"].get("temperature") == 0),
         "",
         *(f"![{picture.stem}]({picture.relative_to(path.parent)})\n" for picture in pictures),
     ]

@@ -28,7 +28,7 @@ def stream_completion(url: str, request: Request, *, temperature: float, timeout
     }
     start = time.perf_counter()
     try:
-        arrivals, usage, replica = _read_stream(url, body, timeout)
+        arrivals, usage, replica, text = _read_stream(url, body, timeout)
     except RequestFailed as exc:
         return failure(str(exc), time.perf_counter() - start, request.num_tokens)
     return RequestResult(
@@ -41,13 +41,14 @@ def stream_completion(url: str, request: Request, *, temperature: float, timeout
         requested_tokens=request.num_tokens,
         itl_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
         replica=replica,
+        text=text,
     )
 
 
-def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int], str | None]:
-    """When each text event arrived, the closing usage and the replica that answered (X-Replica);
+def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int], str | None, str]:
+    """When each text event arrived, the closing usage, the replica that answered (X-Replica) and the text;
     raises RequestFailed for any error."""
-    arrivals, usage = [], None
+    arrivals, usage, pieces = [], None, []
     try:
         with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as response:
             if response.status_code != 200:
@@ -61,9 +62,10 @@ def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[f
                     raise RequestFailed(f"{event['error']['type']}: {event['error']['message']}")
                 if event["choices"] and event["choices"][0]["text"]:
                     arrivals.append(time.perf_counter())
+                    pieces.append(event["choices"][0]["text"])
                 usage = event.get("usage") or usage
     except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
         raise RequestFailed(f"malformed or broken stream: {type(exc).__name__}: {exc}") from exc
     if usage is None:
         raise RequestFailed("the stream ended without a usage event")
-    return arrivals, usage, replica
+    return arrivals, usage, replica, "".join(pieces)

@@ -1,7 +1,9 @@
 """Run GPT-2 over the scheduled sequences: build the step's inputs, forward, then the sampler."""
 
 import importlib.util
+import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -9,7 +11,7 @@ import torch
 from config import Settings
 from generate.sampler import Sampler
 from generate.sequence import Sequence
-from generate.step_input import build_step_inputs, reference_groups
+from generate.step_input import build_step_inputs, reference_groups, upload
 from generate.step_log import StageClock
 from model.attention import GatherSpace, PagedInputs, ReferenceAttention, StepAttention
 from model.gpt2 import GPT, StepBatch
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     from generate.cuda_graphs import DecodeGraphs
 
 GRAPH_MODES = ("off", "eager", "capture")  # eager: the graphs' static buffers, run without capture (CPU tests)
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -44,13 +47,42 @@ class ModelRunner:
         self.space = GatherSpace()
         self.sampler = Sampler(self.device)
         model.allocate_kv_cache(num_blocks + 1, block_size)
+        if attention == "triton":
+            self._warm_kernel(scratch_block=num_blocks)
         self.graphs: DecodeGraphs | None = None
         if graphs != "off":
             from generate import cuda_graphs  # needs triton
 
             self.graphs = cuda_graphs.DecodeGraphs(model, max_batch_size, block_size, scratch_block=num_blocks)
             if graphs == "capture":
+                start = time.perf_counter()
                 self.graphs.capture()
+                seconds = time.perf_counter() - start
+                log.info("CUDA graphs: %d batch sizes captured in %.1f s", len(self.graphs.sizes), seconds)
+
+    def _warm_kernel(self, scratch_block: int) -> None:
+        """Compile the kernel's variants before serving: a two-token chunk (tiles of rows) and a decode row
+        (one row), through the whole model as a step runs it, writing only the scratch block."""
+        from model.triton_attention import TritonAttention
+
+        start = time.perf_counter()
+        bs = self.block_size
+        for rows in (2, 1):
+            blocks = -(-rows // bs)  # every one the scratch block
+            t = upload(
+                self.device,
+                ids=[0] * rows,
+                positions=list(range(rows)),
+                slots=[scratch_block * bs + i % bs for i in range(rows)],
+                query_start=[0, rows],
+                context_lens=[rows],
+                block_tables=[scratch_block] * blocks,
+            )
+            paged = PagedInputs(t["query_start"], t["context_lens"], t["block_tables"].view(1, blocks), rows)
+            self.model(StepBatch(t["ids"], t["positions"], t["slots"], TritonAttention(paged), None))
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        log.info("Triton kernel: chunk and decode variants compiled in %.1f s", time.perf_counter() - start)
 
     @classmethod
     def from_settings(cls, model: GPT, num_blocks: int, settings: Settings) -> "ModelRunner":

@@ -52,13 +52,22 @@ def build_step_inputs(seqs: list[Sequence], block_size: int, device: torch.devic
     return StepInputs(t["input_ids"], t["positions"], t["slot_mapping"], t["logits_rows"], paged)
 
 
+ALIGN_BYTES = 16  # each view starts here: Triton compiles a kernel apart for pointers not divisible by 16
+
+
 def upload(device: torch.device, **arrays: list[int]) -> dict[str, torch.Tensor]:
-    """Integer arrays as int64 tensors on `device`, in one host-to-device copy from pinned memory."""
-    sizes = [len(a) for a in arrays.values()]
-    flat = [x for a in arrays.values() for x in a]
-    host = torch.tensor(flat, dtype=torch.int64, pin_memory=device.type == "cuda")  # [sum of sizes]
+    """Integer arrays as int64 tensors on `device`, in one host-to-device copy from pinned memory.
+
+    Each array starts at a multiple of ALIGN_BYTES in the copy (padded with zeros after the one before),
+    whatever the lengths: a view at 8 bytes past would be a kernel variant of its own, compiled mid-serving.
+    """
+    per_slot = ALIGN_BYTES // 8  # int64s per aligned slot
+    padded = [-(-len(a) // per_slot) * per_slot for a in arrays.values()]
+    flat = [x for a, n in zip(arrays.values(), padded) for x in [*a, *[0] * (n - len(a))]]
+    host = torch.tensor(flat, dtype=torch.int64, pin_memory=device.type == "cuda")  # [sum of padded sizes]
     moved = host.to(device, non_blocking=True)
-    return dict(zip(arrays, moved.split(sizes)))
+    views = moved.split(padded)
+    return {name: view[: len(a)] for (name, a), view in zip(arrays.items(), views)}
 
 
 def reference_groups(seqs: list[Sequence], block_size: int, device: torch.device) -> list[AttentionGroup]:

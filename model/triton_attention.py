@@ -6,7 +6,15 @@ softmax (running max and sum), so no key is copied, nothing is padded to the lon
 context, and a chunk of new tokens attends causally over the cache and itself. Context
 lengths and query offsets are read from tensors, so a CUDA graph can replay it on new values.
 Under TRITON_INTERPRET=1 it runs on CPU tensors (slowly), which is how CI checks it.
+
+Triton compiles one variant per constexpr and per specialisation of the other arguments (a pointer
+divisible by 16 or not, an integer equal to 1 or divisible by 16). So the step's inputs are uploaded
+16-byte aligned (generate/step_input.py), `stride_bt` (the block tables' width, which changes with
+the longest context in a step) is not specialised on, and the engine warms both BLOCK_M variants
+before the server reports ready: nothing compiles while serving.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,7 +39,22 @@ def _weighted(p, v, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
     return tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
-@triton.jit
+@dataclass(frozen=True)
+class KernelConfig:
+    """The kernel's tuning knobs. DEFAULT is what the engine runs; `benchmarks/decode_step.py --sweep`
+    times the alternatives on the device at hand."""
+
+    block_n: int = 64  # keys per loop iteration
+    num_warps: int = 4
+    decode_block_m: int = 1  # query rows per program when every sequence decodes one; 16 takes tl.dot's path
+    chunk_block_m: int = 16  # ... when some sequence computes a chunk: tensor cores need 16 rows
+    table_dtype: torch.dtype = torch.int64  # block-table entries as the kernel reads them
+
+
+DEFAULT = KernelConfig()
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention(
     Q, K, V, Out, query_start, context_lens, block_tables,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
@@ -78,24 +101,27 @@ def _paged_attention(
 class TritonAttention:
     """The step's attention through the Triton kernel; `paged` may be a CUDA graph's static buffers."""
 
-    def __init__(self, paged: PagedInputs):
-        self.paged = paged
+    def __init__(self, paged: PagedInputs, config: KernelConfig = DEFAULT):
+        self.paged, self.config = paged, config
+        tables = paged.block_tables
+        self.block_tables = tables if tables.dtype == config.table_dtype else tables.to(config.table_dtype)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         T, H, D = q.shape
         _, block_size, _, _ = k_cache.shape
         assert k_cache.stride(3) == 1 and q.stride(2) == 1 and k_cache.stride() == v_cache.stride()
-        paged = self.paged
+        paged, config, tables = self.paged, self.config, self.block_tables
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)  # [T, H, D]
-        block_m = 1 if paged.max_query_len == 1 else 16  # a decode row alone, or tiles of a chunk
+        block_m = config.decode_block_m if paged.max_query_len == 1 else config.chunk_block_m
         num_seqs = paged.context_lens.shape[0]
         grid = (num_seqs, H, triton.cdiv(paged.max_query_len, block_m))
         _paged_attention[grid](
-            q, k_cache, v_cache, out, paged.query_start, paged.context_lens, paged.block_tables,
+            q, k_cache, v_cache, out, paged.query_start, paged.context_lens, tables,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), paged.block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
             D**-0.5,
-            BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=64,
+            BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=config.block_n,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps,
         )  # fmt: skip
         return out.view(T, H * D)  # [T, C]

@@ -244,3 +244,57 @@ def test_shared_prefix_runs_show_the_cache_at_work(tiny_server_env, tmp_path):
     assert all(runs[f"dynamic cache-on b={b}"]["server_stats"]["prefix_cache_hit_rate"] > 0.5 for b in (2, 8))
     assert runs["dynamic cache-on b=8"]["server_stats"]["kv_blocks_total"] == 1024
     assert (tmp_path / "batch_size_sweep.png").exists() and imread(tmp_path / "batch_size_sweep.png").shape[0] > 100
+
+
+def test_both_transformers_baselines_run_the_same_requests_and_agree_with_the_server_greedily(
+    tiny_server_env, tmp_path, capsys
+):
+    out = tmp_path / "bench"
+    argv = ["--workload", "saturate", "--numsamples", "8", "--mean-tokens", "8", "--temperature", "0"]
+    argv += ["--modes", "dynamic", "--baseline", "transformers,transformers-cb", "--out", str(out), "--report"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    runs = results["runs"]
+    assert [run["label"] for run in runs] == ["dynamic", "transformers b=256", "transformers-cb"]
+    workload = build("saturate", 8, float("inf"), 8)
+    for run in runs:
+        assert run["summary"]["requests_ok"] == 8
+        for request, sent in zip(run["requests"], workload.requests):
+            assert request["output_tokens"] == request["requested_tokens"] == sent.num_tokens
+            assert request["prompt_tokens"] == len(sent.prompt_ids) and request["text"]
+            assert 0 < request["ttft_s"] <= request["latency_s"]
+    # greedy: every output of each baseline is the server's, and the tables say so
+    texts = [[request["text"] for request in run["requests"]] for run in runs]
+    assert texts[1] == texts[0] and texts[2] == texts[0]
+    assert "outputs equal to dynamic" in printed and printed.count(" 8/8 ") >= 2
+    settings = runs[2]["baseline_settings"]
+    assert settings["max_batch_tokens"] == 512 and settings["block_size"] > 0 and "sdpa" in settings["attention"]
+    assert "transformers-cb" in (out / "report.md").read_text()
+
+
+def test_modes_none_runs_only_what_baseline_names():
+    assert planned_runs(parse_args(["--modes", "none", "--baseline", "transformers-cb"])) == []
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "none"])
+    with pytest.raises(SystemExit):
+        parse_args(["--baseline", "vllm"])
+
+
+def test_rebuild_of_several_directories_puts_their_runs_in_one_table(tmp_path):
+    request = {"ok": True, "prompt_tokens": 4, "output_tokens": 3, "ttft_s": 0.1, "latency_s": 0.5, "error": None,
+               "requested_tokens": 3, "itl_s": [0.2, 0.2], "sent_s": 0.0}  # fmt: skip
+    machine = {"cpu": "x", "cpus": 1, "gpu": None, "torch": "t", "python": "p"}
+    for name, seconds in (("after", 1.0), ("before", 3.0)):
+        run = {"label": "dynamic", "mode": "dynamic", "batch_size": None, "model": "m",
+               "summary": {"duration_s": seconds}, "requests": [request]}  # fmt: skip
+        results = {"title": name, "command": "c", "machine": machine, "args": {"slo": {}}, "runs": [run]}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(results))
+    out = tmp_path / "both"
+    assert main(["--rebuild", str(tmp_path / "after"), str(tmp_path / "before"), "--out", str(out)]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["label"], r["summary"]["output_tokens_per_s"]) for r in runs] == [
+        ("dynamic", pytest.approx(3.0)),
+        ("dynamic (before)", pytest.approx(1.0)),
+    ]

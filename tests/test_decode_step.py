@@ -1,18 +1,25 @@
-"""benchmarks/decode_step.py from its command line: a row per batch size, every sequence decoding together."""
+"""benchmarks/decode_step.py from its command line: a row per batch size, every sequence decoding together; the
+profiler's table of a decode step; the kernel's knobs swept."""
 
+import itertools
+import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
+
+
+def decode_step(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.decode_step", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_times_each_batch_size_with_the_whole_batch_decoding():
     # At batch 8 the prompts' 800 tokens take four steps of the CPU's 256-token budget, during
     # which the first prompts already decode: they must not run out of tokens before the timing ends.
-    args = ["--model", "gpt2", "--batch-sizes", "1,8", "--context", "100", "--steps", "2"]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.decode_step", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    run = decode_step("--model", "gpt2", "--batch-sizes", "1,8", "--context", "100", "--steps", "2", "--profile")
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     rows = [[cell.strip() for cell in line.split("|")] for line in lines if line[:5].strip().isdigit()]
@@ -21,3 +28,28 @@ def test_times_each_batch_size_with_the_whole_batch_decoding():
         assert 100 < float(context) < 130  # the prompt, and what the timed steps decoded after it
         assert abs(float(tokens_per_s) - int(batch) * 1000 / float(step_ms)) <= 1  # both printed rounded
         assert 0 < float(floor_ms) < float(step_ms)  # no CPU step reaches its memory floor
+    # after each row, the profiler's table of one more decode step: the model's operators, with their times
+    assert [line for line in lines if line.startswith("profile of one decode step")] == [
+        "profile of one decode step at batch 1:",
+        "profile of one decode step at batch 8:",
+    ]
+    assert "Self CPU" in run.stdout and "aten::addmm" in run.stdout
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not __import__("torch").cuda.is_available(),
+    reason="the kernel runs on CUDA or under Triton's interpreter",
+)
+def test_sweep_prints_every_knob_combination_with_the_default_first():
+    pytest.importorskip("triton")
+    tiny = ["--model", "gpt2", "--heads", "1", "--batch-sizes", "1", "--context", "8", "--steps", "1"]
+    run = decode_step("--sweep", *tiny)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")] for line in run.stdout.splitlines() if line.count("|") == 8]
+    header, rows = rows[0], rows[1:]
+    assert header[1:4] == ["warps", "BLOCK_N", "BLOCK_M"]
+    knobs = [(int(r[1]), int(r[2]), int(r[3]), r[4]) for r in rows]
+    expected = set(itertools.product((2, 4, 8), (32, 64, 128), (1, 16), ("int32", "int64")))
+    assert len(knobs) == len(expected) == 36 and set(knobs) == expected
+    assert [r[0] for r in rows].count("*") == 1 and rows[0][0] == "*"  # the engine's default, marked once
+    assert all(float(r[7]) > 0 and r[5:7] == ["1", "8"] for r in rows)
