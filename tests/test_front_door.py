@@ -233,6 +233,23 @@ def test_1600_slow_header_connections_leave_the_server_serving_and_are_closed_by
     assert len(timed_out) >= 1500, Counter(answer[:12] for answer in slow.answers.values())
 
 
+def test_a_body_trickled_slower_than_the_read_timeout_gets_a_408(front):
+    """REQUEST_READ_TIMEOUT_S covers the body too (HAProxy buffers it before a replica sees it)."""
+    with socket.create_connection(("127.0.0.1", front.port), source_address=("127.0.0.26", 0)) as sock:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: front\r\nContent-Type: application/json\r\n"
+        sock.sendall(head + b'Content-Length: 100\r\n\r\n{"prompt": "')
+        started = time.monotonic()
+        sock.settimeout(1.0)
+        answer = b""
+        while not answer:
+            assert time.monotonic() - started < READ_TIMEOUT_S + 10, "the slow body was not cut off"
+            try:
+                answer = sock.recv(4096)
+            except TimeoutError:
+                sock.sendall(b"a")  # a byte of the body a second
+    assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - started >= READ_TIMEOUT_S - 1
+
+
 # --- per-client limits ------------------------------------------------------------------------------
 
 
