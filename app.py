@@ -12,7 +12,7 @@ from api.json_body import StrictJSONProvider, require_json
 from api.serving import Server
 from api.validation import ApiError
 from batching.manager import BatchingManager
-from config import Settings
+from config import Settings, no_front_warning
 from generate.engine import Engine
 from model.tokenizer import load_tokenizer
 from sim.engine import simulated_engine
@@ -28,6 +28,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings or Settings.from_env()
     log.info("settings: %s", settings.redacted())
+    for warning in settings.exposure_warnings(front=False):  # exposed with a front, this server is on loopback
+        log.warning("%s", warning)
     template = ChatTemplate.load(settings.chat_template)  # a bad file stops the server before the model loads
     engine = simulated_engine(settings) if settings.engine == "sim" else Engine.from_settings(settings)
     manager = BatchingManager(engine, settings)
@@ -73,6 +75,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     def health():
         """Alive: the model is loaded and the loop runs, however busy it is."""
         body = {"model": engine.model_name, "random_weights": engine.is_random, "mode": settings.mode}
+        if settings.exposed:  # server.sh found no HAProxy to put in front, or FRONT=off
+            body["warning"] = no_front_warning(settings.host)
         if not manager.ready:
             return jsonify(status="unavailable", reason=manager.failure, **body), 503
         return jsonify(status="ok", **body)

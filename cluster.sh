@@ -2,6 +2,7 @@
 # Start N replicas of ./server.sh MODE behind HAProxy, in the foreground:
 #   ./cluster.sh N {nobatch|static|dynamic}
 # Replica i listens on 127.0.0.1:PORT+i (with GPU i, where there are GPUs), HAProxy on HOST:PORT.
+# ./server.sh runs it as its front door when exposed (a cluster of one: SERVER_FRONT=1).
 # Or put HAProxy in front of replicas already running, on this machine or others:
 #   REPLICAS_AT=host:port,host:port ./cluster.sh       (or REPLICAS_AT=FILE, one host:port a line)
 # Settings come from the environment and .env, as for ./server.sh (see README.md). RUN_DIR
@@ -26,8 +27,10 @@ fi
 python=python3
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
 # The settings as every replica will read them (environment, then .env), and cluster.sh's own.
-host='' port='' block_size='' timeout='' device='' engine='' replicas_at='' run_dir='' haproxy='' balance='' cuda_visible_devices=''
-settings=$("$python" -m deploy.env)
+host='' port='' block_size='' timeout='' device='' engine='' replica='' replicas_at='' run_dir='' haproxy='' balance=''
+cuda_visible_devices='' server_front='' tls_cert='' read_timeout='' queue_timeout='' bufsize='' replica_maxconn=''
+limits='' limit_connections='' limit_requests='' limit_period='' limit_by=''
+settings=$("$python" -m deploy.env --warn)
 eval "$settings"
 
 if [ "$replicas" -eq 0 ] && [ -z "$replicas_at" ]; then usage; fi
@@ -36,7 +39,6 @@ if [ "$replicas" -gt 0 ] && [ -n "$replicas_at" ]; then
 fi
 balance=${balance:-prefix}
 case "$balance" in prefix|roundrobin) ;; *) die "BALANCE must be prefix or roundrobin, not '$balance'" ;; esac
-haproxy=${haproxy:-$(PATH="$PATH:/usr/sbin:/usr/local/sbin" command -v haproxy || true)}
 [ -x "$haproxy" ] || die "HAProxy not found${haproxy:+ at $haproxy}: apt-get install haproxy (or set HAPROXY to its path)"
 run_dir=${run_dir:-$(mktemp -d "${TMPDIR:-/tmp}/gpt2-cluster.XXXXXX")}
 mkdir -p "$run_dir"
@@ -87,17 +89,24 @@ else
     if [ ${#gpus[@]} -gt 0 ]; then gpu=("CUDA_VISIBLE_DEVICES=${gpus[i - 1]}"); fi
     # A session of its own: a terminal's Ctrl-C reaches only this script, which stops the
     # replica's whole process group (gunicorn and its worker) with SIGTERM, in order.
-    setsid env "${gpu[@]}" HOST=127.0.0.1 PORT=$((port + i)) REPLICA_NAME="$address" \
-      ./server.sh "$MODE" >"$run_dir/replica-$((port + i)).log" 2>&1 &
+    # server.sh's front door: the server keeps its own name, and its log goes where it always went.
+    name=$address
+    if [ -n "$server_front" ]; then name=$replica; exec 3>&1; else exec 3>"$run_dir/replica-$((port + i)).log"; fi
+    # The balancer is the replica's front door: it serves plain HTTP on loopback (FRONT=off and no
+    # TLS_CERT, or its server.sh would start a front door of its own).
+    setsid env "${gpu[@]}" HOST=127.0.0.1 PORT=$((port + i)) REPLICA_NAME="$name" FRONT=off TLS_CERT= \
+      ./server.sh "$MODE" >&3 2>&3 &
+    exec 3>&-
     replica_pids+=("$!")
     addresses+=("$address")
   done
   deadline=$((SECONDS + 600))  # a first start may download the model
   for i in "${!addresses[@]}"; do
     log=$run_dir/replica-$((port + i + 1)).log
+    if [ -n "$server_front" ]; then log="above"; fi
     until healthy "${addresses[i]}"; do
       if ! kill -0 "${replica_pids[i]}" 2>/dev/null; then
-        tail -n 20 "$log" >&2
+        if [ -f "$log" ]; then tail -n 20 "$log" >&2; fi
         die "replica ${addresses[i]} exited before it was healthy (log: $log)"
       fi
       [ $SECONDS -lt $deadline ] || die "replica ${addresses[i]} not healthy within 600 s (log: $log)"
@@ -106,14 +115,19 @@ else
   done
 fi
 
-# The balancer's /stats: every replica's, and the sums (deploy/stats.py).
-rm -f "$run_dir/stats.sock"
-setsid "$python" -m deploy.stats "$run_dir/stats.sock" "${addresses[@]}" &
-stats_pid=$!
-until [ -S "$run_dir/stats.sock" ]; do
-  kill -0 "$stats_pid" 2>/dev/null || die "the /stats aggregator (deploy/stats.py) exited"
-  sleep 0.1
-done
+# The balancer's /stats: every replica's, and the sums (deploy/stats.py). Not for server.sh's
+# front door, whose one server's /stats and /dashboard are the server's.
+aggregate=on
+if [ -n "$server_front" ]; then aggregate=off; fi
+if [ $aggregate = on ]; then
+  rm -f "$run_dir/stats.sock"
+  setsid "$python" -m deploy.stats "$run_dir/stats.sock" "${addresses[@]}" &
+  stats_pid=$!
+  until [ -S "$run_dir/stats.sock" ]; do
+    kill -0 "$stats_pid" 2>/dev/null || die "the /stats aggregator (deploy/stats.py) exited"
+    sleep 0.1
+  done
+fi
 
 config=$run_dir/haproxy.cfg
 {
@@ -126,7 +140,10 @@ config=$run_dir/haproxy.cfg
   done
 } >"$config"
 export CLUSTER_BIND="$host:$port" CLUSTER_BLOCK_SIZE="$block_size" CLUSTER_TIMEOUT="$timeout" CLUSTER_RUN_DIR="$run_dir" \
-  CLUSTER_BALANCE="$balance"
+  CLUSTER_BALANCE="$balance" CLUSTER_AGGREGATE="$aggregate" CLUSTER_TLS_CERT="$tls_cert" CLUSTER_READ_TIMEOUT="$read_timeout" \
+  CLUSTER_QUEUE_TIMEOUT="$queue_timeout" CLUSTER_BUFSIZE="$bufsize" CLUSTER_REPLICA_MAXCONN="$replica_maxconn" \
+  CLUSTER_LIMITS="$limits" CLUSTER_LIMIT_CONNECTIONS="$limit_connections" CLUSTER_LIMIT_REQUESTS="$limit_requests" \
+  CLUSTER_LIMIT_PERIOD="$limit_period" CLUSTER_LIMIT_BY="$limit_by"
 "$haproxy" -c -q -f "$config" || die "HAProxy refused its configuration, $config"
 setsid "$haproxy" -db -f "$config" &
 haproxy_pid=$!
@@ -137,7 +154,9 @@ until (exec 3<>"/dev/tcp/$probe/$port") 2>/dev/null; do  # listening; the replic
   kill -0 "$haproxy_pid" 2>/dev/null || die "HAProxy exited (is $host:$port free?)"
   sleep 0.2
 done
-echo "cluster: http://$host:$port -> ${addresses[*]} ($balance); config and logs in $run_dir"
+scheme=http
+if [ -n "$tls_cert" ]; then scheme=https; fi
+echo "cluster: $scheme://$host:$port -> ${addresses[*]} ($balance; per-client limits $limits); config and logs in $run_dir"
 
 # Serve until HAProxy ends or a signal comes; a replica that dies is HAProxy's to route around.
 while true; do

@@ -1,5 +1,6 @@
 """Every setting of the server, read once from the environment and an optional `.env`."""
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass, fields, replace
@@ -8,6 +9,8 @@ from dotenv import load_dotenv
 
 MODES = ("nobatch", "static", "dynamic")
 ENGINES = ("gpt2", "sim")
+# gunicorn's threads beyond one per admitted request: what /health, /stats and a full queue's 503 find free.
+SPARE_THREADS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,16 @@ class Settings:
     replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
     request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)
     timeline_window_s: float = 30.0  # /stats "window", /stats/timeline, the page: latency and tokens/s over it
+    # The front door (HAProxy, deploy/): server.sh puts it in front when HOST is not loopback or TLS_CERT is set.
+    front: str = "auto"  # auto: HAProxy in front when exposed; off: gunicorn faces the network itself
+    tls_cert: str = ""  # a PEM file, certificate and key: the front door speaks HTTPS
+    request_read_timeout_s: float = 30.0  # a client's request line, headers and body must all arrive by then (408)
+    max_header_bytes: int = 16384  # request line and headers larger than this get a 400
+    queue_timeout_s: float = 10.0  # a request waiting for a free replica thread longer than this gets a 503
+    limit_connections: int = 256  # per client, connections open at once (an exposed front; 0: no limit)
+    limit_requests: int = 200  # per client, requests in LIMIT_PERIOD_S (an exposed front; 0: no limit)
+    limit_period_s: int = 10  # the request rate's window, and the 429's Retry-After
+    limit_by: str = "address"  # address: a client is its IP address; key: its Authorization header, if it sends one
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +80,21 @@ class Settings:
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
+        self._check_front()
+
+    def _check_front(self) -> None:
+        if self.front not in ("auto", "off"):
+            raise ValueError(f"FRONT must be auto or off, got {self.front!r}")
+        if self.front == "off" and self.tls_cert:
+            raise ValueError("TLS_CERT needs the front door (HAProxy terminates TLS): unset FRONT=off")
+        if self.limit_by not in ("address", "key"):
+            raise ValueError(f"LIMIT_BY must be address or key, got {self.limit_by!r}")
+        if self.limit_by == "key" and not self.api_key:
+            raise ValueError("LIMIT_BY=key counts requests by their API key: set API_KEY")
+        if min(self.limit_connections, self.limit_requests) < 0 or self.limit_period_s < 1:
+            raise ValueError("LIMIT_CONNECTIONS and LIMIT_REQUESTS must be at least 0, LIMIT_PERIOD_S at least 1")
+        if self.request_read_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.max_header_bytes < 1024:
+            raise ValueError("REQUEST_READ_TIMEOUT_S and QUEUE_TIMEOUT_S must be positive, MAX_HEADER_BYTES >= 1024")
 
     def batch_token_budget(self, on_gpu: bool, max_context: int) -> int:
         """MAX_BATCH_TOKENS, or its default for the device: small on a CPU, where a step's cost grows
@@ -94,6 +122,30 @@ class Settings:
         host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host  # a wildcard names no one
         return f"{host}:{self.port}"
 
+    @property
+    def server_threads(self) -> int:
+        """gunicorn's threads: one for each request the server admits (running and waiting), and spares."""
+        return max(256, self.max_batch_size + self.max_waiting + SPARE_THREADS)
+
+    @property
+    def exposed(self) -> bool:
+        """Listening beyond this machine: HOST is not a loopback address (a name but localhost counts as exposed)."""
+        if self.host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return True
+
+    def exposure_warnings(self, front: bool) -> list[str]:
+        """What to say at start about listening on HOST, with the front door in front (front) or not."""
+        if not self.exposed:
+            return []
+        warnings = [] if front else [no_front_warning(self.host)]
+        if not self.api_key:
+            warnings.append(f"HOST={self.host} and no API_KEY: anyone who reaches this port can generate")
+        return warnings
+
     def redacted(self) -> "Settings":
         """These settings, safe to log."""
         return replace(self, api_key="***" if self.api_key else "")
@@ -109,6 +161,15 @@ class Settings:
                 values[f.name] = _parse(raw, type(f.default), f.name)
         values.update(overrides)
         return cls(**values)
+
+
+def no_front_warning(host: str) -> str:
+    return (
+        f"HOST={host}: gunicorn faces the network without HAProxy in front (FRONT=off, or haproxy not "
+        "installed): each slow client holds one of its threads while it trickles headers, and about a "
+        "thousand of them stop the server; no per-client limits, no TLS. apt-get install haproxy "
+        "and ./server.sh puts it in front"
+    )
 
 
 def _parse(raw: str, kind: type, name: str):

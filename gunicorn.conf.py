@@ -20,8 +20,8 @@ worker_class = "gthread"
 # and waiting). The spare ones can never all be held by generations: with every admitted
 # request in flight, /health (a load balancer's check), /stats and the quick 503 of a request
 # beyond MAX_WAITING still find a thread instead of queueing behind generations for minutes.
-SPARE_THREADS = 32
-threads = max(256, settings.max_batch_size + settings.max_waiting + SPARE_THREADS)
+# (The front door sends a replica no more requests at once than it has threads: deploy/env.py.)
+threads = settings.server_threads
 worker_connections = threads + 64
 timeout = 600  # the worker loads the model before it answers gunicorn's heartbeat
 graceful_timeout = int(settings.shutdown_grace_s) + 10  # the app answers stragglers first

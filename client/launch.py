@@ -63,21 +63,25 @@ def server_env(**settings: str) -> dict[str, str]:
     return env
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, deadline_s: float = HEALTH_DEADLINE_S) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen, log: Path, deadline_s: float = HEALTH_DEADLINE_S, verify: str | bool = True
+) -> None:
+    """Poll /health until 200; `verify`: the certificate to trust for https (requests' verify)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+            if requests.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
                 return
         time.sleep(0.2)  # polling interval, not synchronisation: the loop has a deadline
     raise TimeoutError(f"server not healthy within {deadline_s} s:\n{log.read_text()[-3000:]}")
 
 
 def start_server(mode: str, log_dir: Path, port: int | None = None, **settings: str) -> tuple[subprocess.Popen, str]:
-    """./server.sh MODE on `port` (default: a free one), healthy; its process (a session leader) and its URL."""
-    port = port or free_port()
+    """./server.sh MODE on `port` (default: a free one), healthy; its process (a session leader) and its URL.
+    Exposed (HOST=0.0.0.0) it runs its front door there, and the server itself on port + 1."""
+    port = port or free_port(following=1)
     return _start([str(ROOT / "server.sh"), mode], log_dir / f"server-{mode}-{port}.log", port, **settings)
 
 
@@ -98,9 +102,10 @@ def _start(command: list[str], log: Path, port: int, **settings: str) -> tuple[s
             start_new_session=True,
         )
     _started[proc.pid] = proc
-    url = f"http://127.0.0.1:{port}"
+    # TLS_CERT: the front door speaks HTTPS with that certificate (self-signed in tests), trusted here
+    url = f"{'https' if settings.get('TLS_CERT') else 'http'}://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, log)
+        wait_healthy(url, proc, log, verify=settings.get("TLS_CERT") or True)
     except BaseException:
         stop_server(proc)
         raise

@@ -1,36 +1,76 @@
-"""The settings cluster.sh needs, read as every replica reads its own (environment, then .env).
+"""The settings server.sh and cluster.sh need, read as every replica reads its own (environment, then .env).
 
-Printed as shell assignments for cluster.sh to eval, so that one parser, config.Settings, and
-one set of defaults serve the balancer and the replicas alike.
+Printed as shell assignments for the scripts to eval, so that one parser, config.Settings, and
+one set of defaults serve the front door, the balancer and the replicas alike.
+  python -m deploy.env          the assignments
+  python -m deploy.env --warn   and, on stderr, what exposing HOST this way risks (cluster.sh, once)
 """
 
 import os
 import shlex
+import shutil
 import sys
+from pathlib import Path
 
 from config import Settings
 
 MARGIN_S = 60  # the balancer waits this much longer than a replica, which answers its own timeout
+NO_LIMIT = 2**31 - 1  # a limit of 0: HAProxy compares against a count no client reaches
 
 
-def main() -> None:
+def haproxy_path() -> str:
+    """HAPROXY, else haproxy on PATH or in the sbin directories a user's PATH may lack; empty if none."""
+    path = f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/local/sbin"
+    return os.environ.get("HAPROXY") or shutil.which("haproxy", path=path) or ""
+
+
+def front_values(settings: Settings) -> dict[str, object]:
+    """The front door's settings in HAProxy's terms (deploy/haproxy.cfg's ${CLUSTER_*} variables)."""
+    if settings.tls_cert and not Path(settings.tls_cert).is_file():
+        raise ValueError(f"TLS_CERT: no file {settings.tls_cert!r} (a PEM holding the certificate and its key)")
+    return {
+        "tls_cert": str(Path(settings.tls_cert).resolve()) if settings.tls_cert else "",
+        "read_timeout": f"{round(settings.request_read_timeout_s * 1000)}ms",
+        "queue_timeout": f"{round(settings.queue_timeout_s * 1000)}ms",
+        # the request line and headers must fit a buffer less the room HAProxy keeps for rewriting them
+        "bufsize": settings.max_header_bytes + 1024,
+        # a replica is sent no more requests at once than it has threads; the rest wait in HAProxy's queue
+        "replica_maxconn": settings.server_threads,
+        # per-client limits, where the front door listens beyond this machine
+        "limits": "on" if settings.exposed else "off",
+        "limit_connections": settings.limit_connections or NO_LIMIT,
+        "limit_requests": settings.limit_requests or NO_LIMIT,
+        "limit_period": settings.limit_period_s,
+        "limit_by": settings.limit_by,
+    }
+
+
+def main(argv: list[str]) -> None:
     try:
         settings = Settings.from_env()
+        values = {
+            "host": settings.host,
+            "port": settings.port,
+            "block_size": settings.block_size,
+            "timeout": f"{int(settings.request_timeout_s) + MARGIN_S}s",
+            "device": settings.device,
+            "engine": settings.engine,
+            "replica": settings.replica,
+            "front": "on" if settings.front == "auto" and (settings.exposed or settings.tls_cert) else "off",
+            "haproxy": haproxy_path(),
+            **front_values(settings),
+        }
     except ValueError as err:
         sys.exit(f"error: {err}")
-    values = {
-        "host": settings.host,
-        "port": settings.port,
-        "block_size": settings.block_size,
-        "timeout": f"{int(settings.request_timeout_s) + MARGIN_S}s",
-        "device": settings.device,
-        "engine": settings.engine,
-    }
-    # cluster.sh's own variables, and the GPUs to share out; load_dotenv has put .env's there too
-    for name in ("REPLICAS_AT", "RUN_DIR", "HAPROXY", "BALANCE", "CUDA_VISIBLE_DEVICES"):
+    # cluster.sh's own variables, and the GPUs to share out; load_dotenv has put .env's there too.
+    # SERVER_FRONT: set by server.sh, whose front door fronts its one server as if there were no balancer.
+    for name in ("REPLICAS_AT", "RUN_DIR", "BALANCE", "CUDA_VISIBLE_DEVICES", "SERVER_FRONT"):
         values[name.lower()] = os.environ.get(name, "")
+    if "--warn" in argv:
+        for warning in settings.exposure_warnings(front=True):
+            print(f"warning: {warning}", file=sys.stderr)
     print("\n".join(f"{name}={shlex.quote(str(value))}" for name, value in values.items()))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
