@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import ssl
+import statistics
 import subprocess
 import threading
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+from conftest import sim_settings
 from requests.adapters import HTTPAdapter
 
 from client.launch import ROOT, free_port, server_env, start_server, stop_server
@@ -333,6 +335,22 @@ def test_https_completions_streamed_and_not(tls_front, certificate, hf_greedy):
     # plain HTTP to the HTTPS port is refused, not served
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{tls_front.port}/health", timeout=10)
+
+
+def test_streamed_events_pass_the_tls_front_one_by_one(tmp_path, certificate):
+    """Each event leaves HAProxy, encrypted, as the server writes it, not held back to go with the next."""
+    bundle, cert = certificate
+    step_s = 0.04
+    settings = {"HOST": "0.0.0.0", "TLS_CERT": str(bundle), "RUN_DIR": str(tmp_path), **sim_settings(tmp_path, step_s)}
+    proc, url = start_server("dynamic", tmp_path, **settings)  # a token every step, whatever the machine's load
+    try:
+        body = {"prompt": "The lighthouse keeper", "max_tokens": 16, "ignore_eos": True, "stream": True}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, verify=cert, timeout=60) as response:
+            arrivals = [time.monotonic() for line in response.iter_lines() if line.startswith(b"data: {")]
+    finally:
+        stop_server(proc)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(gaps) > 8 and statistics.median(gaps) > step_s / 2, gaps
 
 
 def test_the_dashboard_page_is_open_and_its_data_needs_the_key(tls_front, certificate):
