@@ -12,7 +12,7 @@ from api.json_body import StrictJSONProvider, require_json
 from api.serving import Server
 from api.validation import ApiError
 from batching.manager import BatchingManager
-from config import Settings, no_front_warning
+from config import Settings
 from generate.engine import Engine
 from model.tokenizer import load_tokenizer
 from sim.engine import simulated_engine
@@ -76,7 +76,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         """Alive: the model is loaded and the loop runs, however busy it is."""
         body = {"model": engine.model_name, "random_weights": engine.is_random, "mode": settings.mode}
         if settings.exposed:  # server.sh found no HAProxy to put in front, or FRONT=off
-            body["warning"] = no_front_warning(settings.host)
+            body["warning"] = settings.no_front_warning
         if not manager.ready:
             return jsonify(status="unavailable", reason=manager.failure, **body), 503
         return jsonify(status="ok", **body)

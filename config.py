@@ -137,11 +137,20 @@ class Settings:
         except ValueError:
             return True
 
+    @property
+    def no_front_warning(self) -> str:
+        return (
+            f"HOST={self.host}: gunicorn faces the network without HAProxy in front (FRONT=off, or haproxy "
+            f"not installed): each slow client holds one of its {self.server_threads} threads while it trickles "
+            "headers, and that many of them stop the server; no per-client limits, no TLS. "
+            "apt-get install haproxy, and ./server.sh puts it in front"
+        )
+
     def exposure_warnings(self, front: bool) -> list[str]:
         """What to say at start about listening on HOST, with the front door in front (front) or not."""
         if not self.exposed:
             return []
-        warnings = [] if front else [no_front_warning(self.host)]
+        warnings = [] if front else [self.no_front_warning]
         if not self.api_key:
             warnings.append(f"HOST={self.host} and no API_KEY: anyone who reaches this port can generate")
         return warnings
@@ -161,15 +170,6 @@ class Settings:
                 values[f.name] = _parse(raw, type(f.default), f.name)
         values.update(overrides)
         return cls(**values)
-
-
-def no_front_warning(host: str) -> str:
-    return (
-        f"HOST={host}: gunicorn faces the network without HAProxy in front (FRONT=off, or haproxy not "
-        "installed): each slow client holds one of its threads while it trickles headers, and about a "
-        "thousand of them stop the server; no per-client limits, no TLS. apt-get install haproxy "
-        "and ./server.sh puts it in front"
-    )
 
 
 def _parse(raw: str, kind: type, name: str):

@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from config import Settings
+from config import SPARE_THREADS, Settings
 
 MARGIN_S = 60  # the balancer waits this much longer than a replica, which answers its own timeout
 NO_LIMIT = 2**31 - 1  # a limit of 0: HAProxy compares against a count no client reaches
@@ -34,8 +34,9 @@ def front_values(settings: Settings) -> dict[str, object]:
         "queue_timeout": f"{round(settings.queue_timeout_s * 1000)}ms",
         # the request line and headers must fit a buffer less the room HAProxy keeps for rewriting them
         "bufsize": settings.max_header_bytes + 1024,
-        # a replica is sent no more requests at once than it has threads; the rest wait in HAProxy's queue
-        "replica_maxconn": settings.server_threads,
+        # a replica is sent no more requests at once than its threads less the spares, which stay free for
+        # HAProxy's health checks (not counted) whatever holds the others; the rest wait in HAProxy's queue
+        "replica_maxconn": settings.server_threads - SPARE_THREADS,
         # per-client limits, where the front door listens beyond this machine
         "limits": "on" if settings.exposed else "off",
         "limit_connections": settings.limit_connections or NO_LIMIT,
