@@ -43,6 +43,8 @@ class Settings:
     replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
     request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)
     timeline_window_s: float = 30.0  # /stats/timeline's latency and throughput: over this many recent seconds
+    constraint_compile_timeout_s: float = 10.0  # structured output: a constraint compiling longer is refused (400)
+    constraint_cache_size: int = 256  # structured output: compiled constraints kept (least recently used out)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -61,6 +63,8 @@ class Settings:
             raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
         if self.step_log_size < 1 or self.request_event_log_size < 1:
             raise ValueError("STEP_LOG_SIZE and REQUEST_EVENT_LOG_SIZE must be at least 1")
+        if self.constraint_compile_timeout_s <= 0 or self.constraint_cache_size < 1:
+            raise ValueError("CONSTRAINT_COMPILE_TIMEOUT_S must be positive and CONSTRAINT_CACHE_SIZE at least 1")
         if self.timeline_window_s <= 0:
             raise ValueError(f"TIMELINE_WINDOW_S must be positive, got {self.timeline_window_s}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
