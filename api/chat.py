@@ -19,7 +19,7 @@ from api.openai_params import SharedFields, check_min_tokens, shared_fields
 from api.protocol import AssistantMessage, ChatBody, Content, JsonSchemaFormat, Message, ToolMessage, parse
 from api.serving import Server, check_fits, server
 from api.structured import Asked, compiled, guided, json_schema, one_constraint
-from api.tool_calls import StreamedCall, call_json, call_schema, new_call_id, read_call
+from api.tool_calls import StreamedReply, call_json, call_schema, new_call_id, split_reply
 from api.validation import bad
 from batching.inference import Delta, Inference
 from generate.constraints import Constraint
@@ -33,7 +33,8 @@ class ChatRequest(NamedTuple):
     params: SamplingParams
     shared: SharedFields
     stop: tuple[str, ...]  # the request's and the template's
-    forced_call: str | None  # the reply is one call: "required", or the function named by tool_choice
+    tool_choice: str  # "none", "auto", "required", or the name of the function the reply must call
+    call_opener: str  # the template's: what starts a call in a reply
 
 
 def parse_chat(raw: Any, srv: Server) -> ChatRequest:
@@ -53,15 +54,15 @@ def parse_chat(raw: Any, srv: Server) -> ChatRequest:
         max_tokens=max_tokens,
         min_tokens=shared.min_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        constraint=compiled(one_constraint(guided(body) + _chat_constraints(body, choice))),
+        constraint=compiled(one_constraint(guided(body) + _chat_constraints(body, choice, srv.chat_template))),
         **shared.sampling,
     )
-    forced = None if choice in ("none", "auto") else choice
-    return ChatRequest(prompt, params, shared, shared.stop + srv.chat_template.stop, forced)
+    stop = shared.stop + srv.chat_template.stop
+    return ChatRequest(prompt, params, shared, stop, choice, srv.chat_template.call_opener)
 
 
 def _tool_choice(body: ChatBody) -> str:
-    """"none", "auto", "required", or the name of the function the reply must call."""
+    """ "none", "auto", "required", or the name of the function the reply must call."""
     if body.tools is None:
         if body.tool_choice not in (None, "none"):
             raise bad("'tool_choice' needs 'tools'", "tool_choice")
@@ -74,7 +75,7 @@ def _tool_choice(body: ChatBody) -> str:
     return choice.function.name
 
 
-def _chat_constraints(body: ChatBody, choice: str) -> list[Asked]:
+def _chat_constraints(body: ChatBody, choice: str, template: ChatTemplate) -> list[Asked]:
     asked = []
     if isinstance(body.response_format, JsonSchemaFormat):
         schema = body.response_format.json_schema.json_schema
@@ -82,8 +83,10 @@ def _chat_constraints(body: ChatBody, choice: str) -> list[Asked]:
     elif body.response_format is not None and body.response_format.type == "json_object":
         asked.append(Asked("response_format", Constraint("json_object", "")))
     if choice == "auto":
-        raise bad("'tool_choice' \"auto\" is not supported yet: use \"required\" or name a function", "tool_choice")
-    if choice != "none":
+        assert body.tools is not None
+        spec = {"trigger": template.call_opener, "schema": call_schema(body.tools)}
+        asked.append(Asked("tools", Constraint("tool_auto", json.dumps(spec))))
+    elif choice != "none":
         assert body.tools is not None
         schema = call_schema(body.tools, None if choice == "required" else choice)
         asked.append(Asked("tools", json_schema(schema)))
@@ -158,7 +161,8 @@ def chat_completions():
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": srv.engine.model_name}
     if chat.shared.stream:
         head["object"] = "chat.completion.chunk"
-        opening = [_chunk_choice(i, {"role": "assistant", "content": None if chat.forced_call else ""}) for i in range(len(req.completions))]
+        content = None if chat.tool_choice not in ("none", "auto") else ""  # a forced call has no content
+        opening = [_chunk_choice(i, {"role": "assistant", "content": content}) for i in range(len(req.completions))]
         render_delta = _StreamedReplies(srv, chat, req).render
         events = sse(srv, req, head, render_delta, chat.shared.include_usage, first=opening)
         return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -172,17 +176,23 @@ def _choice(srv: Server, chat: ChatRequest, inf: Inference) -> dict:
     if chat.params.logprobs is not None:
         logprobs = {"content": _token_logprobs(srv, inf, 0, text_token_count(inf), chat.params.logprobs)}
     message, finish_reason = {"role": "assistant", "content": inf.text.text}, inf.finish_reason
-    call = read_call(inf.text.text) if chat.forced_call and inf.finish_reason == "stop" else None
-    if call is not None:
-        message = {"role": "assistant", "content": None, "tool_calls": [call.as_openai(new_call_id())]}
-        finish_reason = _call_finish_reason(chat)
+    if chat.tool_choice != "none" and inf.finish_reason == "stop":
+        content, call = split_reply(inf.text.text, _opener(chat))
+        if call is not None:
+            message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai(new_call_id())]}
+            finish_reason = _call_finish_reason(chat)
     return {"index": inf.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def _opener(chat: ChatRequest) -> str | None:
+    """What starts the call in a reply: the template's opener with "auto"; None, the reply's start, when forced."""
+    return chat.call_opener if chat.tool_choice == "auto" else None
+
+
 def _call_finish_reason(chat: ChatRequest) -> str:
-    """As OpenAI: "tool_calls" when the model chose to call (tool_choice "required"), "stop" when the
-    request named the function."""
-    return "tool_calls" if chat.forced_call == "required" else "stop"
+    """As OpenAI: "tool_calls" when the model chose to call ("auto", "required"), "stop" when the request
+    named the function."""
+    return "tool_calls" if chat.tool_choice in ("auto", "required") else "stop"
 
 
 def _chunk_choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
@@ -190,27 +200,27 @@ def _chunk_choice(index: int, delta: dict, logprobs: dict | None = None, finish_
 
 
 class _StreamedReplies:
-    """Each delta's chunk: its text as content, or, for a forced call, the call's pieces as tool_calls."""
+    """Each delta's chunk: its text as content, and with tools, a call's pieces as tool_calls."""
 
     def __init__(self, srv: Server, chat: ChatRequest, req: Request):
         self.srv, self.chat, self.new_tokens = srv, chat, NewTokens(req)
         self.texts = [""] * len(req.completions)
-        self.calls = [StreamedCall() for _ in req.completions]
+        self.replies = [StreamedReply(_opener(chat)) for _ in req.completions]
 
     def render(self, delta: Delta) -> dict:
         inf, start, end = self.new_tokens.take(delta)
         logprobs = None
         if self.chat.params.logprobs is not None:
             logprobs = {"content": _token_logprobs(self.srv, inf, start, end, self.chat.params.logprobs)}
-        if not self.chat.forced_call:
+        if self.chat.tool_choice == "none":
             return _chunk_choice(delta.index, {"content": delta.text}, logprobs, delta.finish_reason)
         self.texts[delta.index] += delta.text
-        call = self.calls[delta.index]
-        pieces = call.pieces(self.texts[delta.index], finished=delta.finish_reason is not None)
+        reply = self.replies[delta.index]
+        piece = reply.delta(self.texts[delta.index], finished=delta.finish_reason is not None)
         finish_reason = delta.finish_reason
-        if finish_reason == "stop" and call.named:
+        if finish_reason == "stop" and reply.named:
             finish_reason = _call_finish_reason(self.chat)
-        return _chunk_choice(delta.index, {"tool_calls": pieces} if pieces else {}, logprobs, finish_reason)
+        return _chunk_choice(delta.index, piece, logprobs, finish_reason)
 
 
 def _token_logprobs(srv: Server, inf: Inference, start: int, end: int, top_n: int) -> list[dict]:

@@ -43,7 +43,7 @@ def guided(body: SamplingRequest) -> list[Asked]:
 
 
 def grammar_kind(grammar: str) -> str:
-    """"ebnf" for a grammar whose rules are written `name ::= ...` (GBNF, as xgrammar takes it), else "lark"."""
+    """ "ebnf" for a grammar whose rules are written `name ::= ...` (GBNF, as xgrammar takes it), else "lark"."""
     return "ebnf" if _EBNF_RULE.search(grammar) else "lark"
 
 

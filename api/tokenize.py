@@ -47,4 +47,3 @@ def detokenize():
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
         raise bad(f"'tokens' must be a list of token ids below {vocab}", "tokens")
     return jsonify(prompt=srv.tokenizer.decode(tokens))
-

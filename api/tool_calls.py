@@ -76,27 +76,59 @@ def _arguments_so_far(rest: str, finished: bool) -> str:
     return rest.rstrip("} \t\r\n")
 
 
-class StreamedCall:
-    """Turns a forced call's growing text into OpenAI's streamed `delta.tool_calls` pieces: the first
-    with the id and the name (once the name is whole), then the arguments as they come."""
+def split_reply(text: str, opener: str | None) -> tuple[str | None, Call | None]:
+    """A reply's content and its call. `opener` None: the whole reply is a call (a forced one);
+    else the call, if any, follows the opener (tool_choice "auto"). A call cut short (max_tokens, a
+    stop string) is no call: the reply is its text."""
+    if opener is None:
+        call = read_call(text)
+        return (None, call) if call else (text, None)
+    head, found, rest = text.partition(opener)
+    call = read_call(rest) if found else None
+    return (head or None, call) if call else (text, None)
 
-    def __init__(self):
+
+class StreamedReply:
+    """Turns a reply's growing text into OpenAI's streamed deltas: its content as it comes, and its
+    call as `delta.tool_calls` pieces: the id and the name once the name is whole, then the
+    arguments as they come. `opener` as for `split_reply`."""
+
+    def __init__(self, opener: str | None):
+        self.opener = opener
         self.call_id = new_call_id()
-        self.named = False
-        self.sent = 0  # characters of the arguments passed on
+        self.named = False  # the call was announced
+        self.content_sent = 0  # characters of content passed on
+        self.arguments_sent = 0  # characters of the arguments passed on
 
-    def pieces(self, text: str, finished: bool) -> list[dict]:
-        """What `text` (the call so far) adds to what was passed on; the whole call once `finished`."""
+    def delta(self, text: str, finished: bool) -> dict:
+        """What `text` (the reply so far) adds to what was passed on: {"content": ...}, {"tool_calls": [...]}, or {}."""
+        if self.opener is None:
+            return self._call(text, finished)
+        head, found, rest = text.partition(self.opener)
+        # hold back what may be the opener's beginning, unless the reply is over
+        held = 0 if found or finished else _partial_suffix(head, self.opener)
+        content = head[self.content_sent : len(head) - held]
+        self.content_sent += len(content)
+        out = {"content": content} if content else {}
+        return {**out, **self._call(rest, finished)} if found else out
+
+    def _call(self, text: str, finished: bool) -> dict:
         head = _HEAD.match(text)
         if head is None:
-            return []
-        out = []
+            return {}
+        pieces = []
         if not self.named:
             self.named = True
             name = json.loads(head.group(1))
-            out.append({"index": 0, "id": self.call_id, "type": "function", "function": {"name": name, "arguments": ""}})
+            function = {"name": name, "arguments": ""}
+            pieces.append({"index": 0, "id": self.call_id, "type": "function", "function": function})
         arguments = _arguments_so_far(text[head.end() :], finished)
-        if len(arguments) > self.sent:
-            out.append({"index": 0, "function": {"arguments": arguments[self.sent :]}})
-            self.sent = len(arguments)
-        return out
+        if len(arguments) > self.arguments_sent:
+            pieces.append({"index": 0, "function": {"arguments": arguments[self.arguments_sent :]}})
+            self.arguments_sent = len(arguments)
+        return {"tool_calls": pieces} if pieces else {}
+
+
+def _partial_suffix(text: str, opener: str) -> int:
+    """The length of the longest end of `text` that begins `opener`."""
+    return next((n for n in range(min(len(text), len(opener) - 1), 0, -1) if opener.startswith(text[-n:])), 0)
