@@ -5,11 +5,11 @@ independent validators (jsonschema, re.fullmatch, a Lark parser)."""
 import json
 import re
 
-import httpx
 import jsonschema
 import lark
 import openai
 import pytest
+import requests
 
 from model.tokenizer import load_tokenizer
 
@@ -266,7 +266,7 @@ def test_a_conversation_with_a_call_and_its_result_goes_through_the_template(url
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}
     messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
     messages.append({"role": "tool", "tool_call_id": "call_1", "content": "12:00"})
-    tokens = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=10).json()["tokens"]
+    tokens = requests.post(f"{url}/tokenize", json={"messages": messages}, timeout=10).json()["tokens"]
     assert TOKENIZER.decode(tokens) == (
         'User: What is the weather in Oslo?\nAssistant: <tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}'
         "</tool_call>\nTool: 12:00\nAssistant:"
@@ -278,31 +278,32 @@ def test_a_conversation_with_a_call_and_its_result_goes_through_the_template(url
     assert caught.value.body["param"] == "messages"
 
 
-def test_auto_constrains_the_call_once_the_reply_writes_the_opener(tiny_checkpoint, tmp_path):
-    """A template whose opener is one token (">>>"), and a logit bias that makes the reply write it first: from
-    there the grammar holds the reply to a call of an offered function."""
-    from app import create_app
-    from config import Settings
+@pytest.fixture(scope="module")
+def one_token_opener_url(tiny_checkpoint, tmp_path_factory):
+    """A server whose template's call opener is one token (">>>")."""
+    from client.launch import running_server
 
-    template = tmp_path / "t.toml"
+    directory = tmp_path_factory.mktemp("opener")
+    template = directory / "template.toml"
     template.write_text(
         'system = "{content}\\n"\nuser = "User: {content}\\n"\nassistant = "Assistant: {content}\\n"\n'
         'reply = "Assistant:"\nstop = ["\\nUser:"]\ntool_call = ">>>{call}"\n'
     )
+    settings = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "1024", "CHAT_TEMPLATE": str(template)}
+    with running_server("dynamic", directory, **settings) as url:
+        yield url
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_constrains_the_call_once_the_reply_writes_the_opener(one_token_opener_url, stream):
+    """A logit bias makes the reply write the one-token opener first: from there the grammar holds the reply
+    to a call of an offered function."""
     (opener,) = TOKENIZER.encode(">>>")
-    app = create_app(Settings(model=str(tiny_checkpoint), kv_cache_blocks=256, chat_template=str(template)))
-    try:
-        http = httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://app")
-        client = openai.OpenAI(base_url="http://app/v1", api_key="unused", http_client=http, max_retries=0)
-        for stream in (False, True):
-            for finish_reason, calls, _ in calls_of(
-                client, None, stream, tool_choice="auto", logit_bias={str(opener): 100}
-            ):
-                assert finish_reason == "tool_calls"
-                ((_, name, arguments),) = calls
-                jsonschema.validate(json.loads(arguments), PARAMETERS[name])
-    finally:
-        app.extensions["server"].manager.shut_down(0)
+    client = openai.OpenAI(base_url=f"{one_token_opener_url}/v1", api_key="unused", max_retries=0)
+    for finish_reason, calls, _ in calls_of(client, None, stream, tool_choice="auto", logit_bias={str(opener): 100}):
+        assert finish_reason == "tool_calls"
+        ((_, name, arguments),) = calls
+        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
 
 
 # --- the batch, equivalence, refusals -------------------------------------------------------------------
