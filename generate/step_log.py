@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-STAGES = ("schedule", "build", "forward", "sample", "deliver")
+STAGES = ("schedule", "build", "forward", "mask", "sample", "deliver")  # mask: waiting for constraint masks
 
 
 class StageClock:
