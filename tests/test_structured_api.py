@@ -316,9 +316,10 @@ def test_auto_constrains_the_call_once_the_reply_writes_the_opener(one_token_ope
 # --- the batch, equivalence, refusals -------------------------------------------------------------------
 
 
-def test_greedy_output_is_unchanged_beside_constrained_requests(client, model, hf_greedy):
+def test_greedy_output_is_unchanged_beside_constrained_requests(url, client, model, hf_greedy):
     """Two long constrained streams are running (their first chunks came) while a greedy unconstrained request is
-    answered: its tokens equal transformers' alone."""
+    answered: its tokens equal transformers' alone, and the loop's step records show the three in one batch."""
+    since = requests.get(f"{url}/stats/timeline", timeout=10).json()["next"]["since"]
     regex = "[a-z ]{200,}"
     streams = [
         client.completions.create(
@@ -335,6 +336,8 @@ def test_greedy_output_is_unchanged_beside_constrained_requests(client, model, h
     for i, c in enumerate(chunks):
         texts[i] += "".join(chunk.choices[0].text for chunk in c)
         assert re.fullmatch("[a-z ]*", texts[i]), texts[i]
+    steps = requests.get(f"{url}/stats/timeline", params={"since": since}, timeout=10).json()["steps"]
+    assert max(step["num_running"] for step in steps) == 3
 
 
 @pytest.mark.parametrize("constraint", [{"guided_regex": "(.|\\n)*"}, {"guided_grammar": "start: /(.|\\n)*/"}])
