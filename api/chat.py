@@ -33,16 +33,17 @@ class ChatRequest(NamedTuple):
     params: SamplingParams
     shared: SharedFields
     stop: tuple[str, ...]  # the request's and the template's
-    tool_choice: str  # "none", "auto", "required", or the name of the function the reply must call
+    tool_choice: str  # "none", "auto", "required", or "function": the reply must call `function`
+    function: str | None  # the function named by tool_choice
     call_opener: str  # the template's: what starts a call in a reply
 
 
 def parse_chat(raw: Any, srv: Server) -> ChatRequest:
     body = parse(ChatBody, raw, "/v1/chat/completions")
     shared = shared_fields(body, srv)
-    choice = _tool_choice(body)
+    choice, function = _tool_choice(body)
     text = render(body.messages, srv.chat_template, body if choice != "none" else None)
-    if choice not in ("none", "auto"):
+    if choice in ("required", "function"):
         text += srv.chat_template.forced_call_prefix
     prompt = srv.tokenizer.encode(text, disallowed_special=())
     if body.top_logprobs is not None and not body.logprobs:
@@ -54,28 +55,30 @@ def parse_chat(raw: Any, srv: Server) -> ChatRequest:
         max_tokens=max_tokens,
         min_tokens=shared.min_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        constraint=compiled(one_constraint(guided(body) + _chat_constraints(body, choice, srv.chat_template))),
+        constraint=compiled(
+            one_constraint(guided(body) + _chat_constraints(body, choice, function, srv.chat_template))
+        ),
         **shared.sampling,
     )
     stop = shared.stop + srv.chat_template.stop
-    return ChatRequest(prompt, params, shared, stop, choice, srv.chat_template.call_opener)
+    return ChatRequest(prompt, params, shared, stop, choice, function, srv.chat_template.call_opener)
 
 
-def _tool_choice(body: ChatBody) -> str:
-    """ "none", "auto", "required", or the name of the function the reply must call."""
+def _tool_choice(body: ChatBody) -> tuple[str, str | None]:
+    """ "none", "auto", "required" or "function", and the function's name for "function"."""
     if body.tools is None:
         if body.tool_choice not in (None, "none"):
             raise bad("'tool_choice' needs 'tools'", "tool_choice")
-        return "none"
+        return "none", None
     choice = body.tool_choice or "auto"
     if isinstance(choice, str):
-        return choice
+        return choice, None
     if all(t.function.name != choice.function.name for t in body.tools):
         raise bad(f"'tool_choice' names {choice.function.name!r}, which is not among 'tools'", "tool_choice")
-    return choice.function.name
+    return "function", choice.function.name
 
 
-def _chat_constraints(body: ChatBody, choice: str, template: ChatTemplate) -> list[Asked]:
+def _chat_constraints(body: ChatBody, choice: str, function: str | None, template: ChatTemplate) -> list[Asked]:
     asked = []
     if isinstance(body.response_format, JsonSchemaFormat):
         schema = body.response_format.json_schema.json_schema
@@ -88,7 +91,7 @@ def _chat_constraints(body: ChatBody, choice: str, template: ChatTemplate) -> li
         asked.append(Asked("tools", Constraint("tool_auto", json.dumps(spec))))
     elif choice != "none":
         assert body.tools is not None
-        schema = call_schema(body.tools, None if choice == "required" else choice)
+        schema = call_schema(body.tools, function)
         asked.append(Asked("tools", json_schema(schema)))
     return asked
 
@@ -161,7 +164,7 @@ def chat_completions():
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": srv.engine.model_name}
     if chat.shared.stream:
         head["object"] = "chat.completion.chunk"
-        content = None if chat.tool_choice not in ("none", "auto") else ""  # a forced call has no content
+        content = None if chat.tool_choice in ("required", "function") else ""  # a forced call has no content
         opening = [_chunk_choice(i, {"role": "assistant", "content": content}) for i in range(len(req.completions))]
         render_delta = _StreamedReplies(srv, chat, req).render
         events = sse(srv, req, head, render_delta, chat.shared.include_usage, first=opening)

@@ -112,6 +112,7 @@ def test_stop_strings_and_max_tokens(client, model):
         ({"logit_bias": {"1": 200}}, "logit_bias"),
         ({"presence_penalty": 9}, "presence_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+        ({"tools": []}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),  # without tools
         ({"response_format": {"type": "json_schema"}}, "response_format"),
