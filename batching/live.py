@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from generate.constraints import compile_stats
+
 if TYPE_CHECKING:
     from batching.manager import BatchingManager
 
@@ -106,6 +108,56 @@ LIVE_VALUES = (
         lambda m: m.engine.scheduler.num_preemptions,
     ),
     LiveValue("steps", "gpt2_steps", "counter", "Engine steps run", lambda m: m.engine.num_steps),
+    # structured output (generate/constraints.py, generate/grammar_mask.py)
+    LiveValue(
+        "constrained_requests",
+        "gpt2_constrained_requests",
+        "counter",
+        "Requests admitted with a constraint (structured output)",
+        lambda m: m.engine.grammar.stats.constrained_requests,
+    ),
+    LiveValue(
+        "constraint_compiles",
+        "gpt2_constraint_compiles",
+        "counter",
+        "Constraints compiled",
+        lambda m: compile_stats().compiles,
+    ),
+    LiveValue(
+        "constraint_cache_hits",
+        "gpt2_constraint_cache_hits",
+        "counter",
+        "Constraints taken from the compile cache",
+        lambda m: compile_stats().cache_hits,
+    ),
+    LiveValue(
+        "constraint_compile_mean_s",
+        "gpt2_constraint_compile_mean_seconds",
+        "gauge",
+        "Mean compile time of recent constraints",
+        lambda m: compile_stats().mean_s,
+    ),
+    LiveValue(
+        "constraint_compile_p99_s",
+        "gpt2_constraint_compile_p99_seconds",
+        "gauge",
+        "99th percentile compile time of recent constraints",
+        lambda m: compile_stats().p99_s,
+    ),
+    LiveValue(
+        "mask_fill_mean_s",
+        "gpt2_mask_fill_mean_seconds",
+        "gauge",
+        "Mean time filling a step's token masks (overlapped with the forward pass), over steps with any",
+        lambda m: m.engine.grammar.stats.mean_fill_s(),
+    ),
+    LiveValue(
+        "mask_wait_mean_s",
+        "gpt2_mask_wait_mean_seconds",
+        "gauge",
+        "Mean time the loop waited for and applied a step's token masks, over steps with any",
+        lambda m: m.engine.grammar.stats.mean_wait_s(),
+    ),
 )
 
 

@@ -102,7 +102,7 @@ class Engine:
         problem = self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
         if problem:
             raise ValueError(problem)
-        self.grammar.stats.constrained_sequences += seq.matcher is not None
+        self.grammar.stats.constrained_requests += seq.matcher is not None and seq.fork_of is None
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:

@@ -35,7 +35,7 @@ def _lut(device: torch.device) -> torch.Tensor:
 class MaskStats:
     """Counters for /stats and /metrics; written by the engine thread only, read anywhere."""
 
-    constrained_sequences: int = 0  # sequences added to the engine with a constraint
+    constrained_requests: int = 0  # constrained sequences added to the engine, n completions of a prompt counted once
     steps: int = 0  # steps that filled masks
     rows: int = 0  # masks filled
     fill_s: float = 0.0  # worker time filling them (overlapped with the forward pass)
@@ -82,7 +82,8 @@ class GrammarMasks:
 
     def __init__(self, vocab_size: int, pin_memory: bool = False):
         self.words = (vocab_size + 31) // 32
-        self.pin_memory = pin_memory  # masks copied to a GPU: from pinned memory, the copy does not wait
+        # masks copied to a GPU: from pinned memory, the copy does not wait (a simulated GPU has none)
+        self.pin_memory = pin_memory and torch.cuda.is_available()
         self.stats = MaskStats()
         self._executor: llguidance.LLExecutor | None = None  # made on first use: threads only when needed
         self._worker: ThreadPoolExecutor | None = None

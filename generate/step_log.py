@@ -8,7 +8,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-STAGES = ("schedule", "build", "forward", "mask", "sample", "deliver")  # mask: waiting for constraint masks
+STAGES = ("schedule", "build", "forward", "sample", "deliver")
+# and "mask" (waiting for the step's constraint masks, generate/grammar_mask.py) in the steps that had any
 
 
 class StageClock:

@@ -14,6 +14,7 @@ from conftest import random_prompts
 from test_model import make_engine, run_checked
 
 from batching.text_stream import TextStream
+from config import Settings
 from generate.constraints import Constraint, ConstraintError, compile_constraint, compile_stats
 from generate.sequence import SamplingParams, Sequence
 from model.tokenizer import EOT_ID, load_tokenizer
@@ -242,7 +243,7 @@ def test_unconstrained_greedy_output_is_unchanged_beside_constrained_rows(tiny_c
     run_checked(engine, [x for pair in zip(free, constrained) for x in pair] + constrained[len(free) :])
     assert [s.completion_ids for s in free] == [hf_greedy(p, 25) for p in free_prompts]
     masked = [r for r in engine.step_log.since(0) if "mask" in r.stages]
-    assert masked and engine.grammar.stats.steps == len(masked) and engine.grammar.stats.constrained_sequences == 5
+    assert masked and engine.grammar.stats.steps == len(masked) and engine.grammar.stats.constrained_requests == 5
 
 
 def test_no_mask_work_without_constrained_rows(tiny_checkpoint):
@@ -304,3 +305,15 @@ def test_same_constraint_compiles_once():
 def test_bad_constraints_are_refused(constraint, words):
     with pytest.raises(ConstraintError, match=re.escape(words)):
         compile_constraint(constraint)
+
+
+def test_the_simulated_engine_keeps_to_constraints_too():
+    from sim.engine import simulated_engine
+
+    engine = simulated_engine(Settings(engine="sim", sim_model="gpt2", sim_gpu="h100-sxm"), announce=False)
+    groups = {
+        name: constrained_group(prompt, constraint, n=2, seed=k)
+        for k, ((name, (constraint, _)), prompt) in enumerate(zip(CASES.items(), random_prompts([6] * 5, seed=15)))
+    }
+    run_checked(engine, [s for seqs in groups.values() for s in seqs])
+    check_outputs(groups)
