@@ -3,6 +3,9 @@
 GPT-2 has no chat format: the template (api/chat_template.toml, or CHAT_TEMPLATE) turns the
 messages into a transcript and opens the assistant's turn; the reply ends where the model
 begins the next turn (the template's stop strings), at end-of-text or at max_tokens.
+With `tools`, the template offers them and writes calls as text; a reply's call is constrained by
+the grammar engine (forced: the whole reply; "auto": from the template's opener on) and answered
+as OpenAI's `tool_calls` (api/tool_calls.py).
 """
 
 import json
