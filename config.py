@@ -56,6 +56,8 @@ class Settings:
     limit_requests: int = 200  # per client, requests in LIMIT_PERIOD_S (an exposed front; 0: no limit)
     limit_period_s: int = 10  # the request rate's window, and the 429's Retry-After
     limit_by: str = "address"  # address: a client is its IP address; key: its Authorization header, if it sends one
+    constraint_compile_timeout_s: float = 10.0  # structured output: a constraint compiling longer is refused (400)
+    constraint_cache_size: int = 256  # structured output: compiled constraints kept (least recently used out)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,6 +76,8 @@ class Settings:
             raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
         if self.step_log_size < 1 or self.request_event_log_size < 1:
             raise ValueError("STEP_LOG_SIZE and REQUEST_EVENT_LOG_SIZE must be at least 1")
+        if self.constraint_compile_timeout_s <= 0 or self.constraint_cache_size < 1:
+            raise ValueError("CONSTRAINT_COMPILE_TIMEOUT_S must be positive and CONSTRAINT_CACHE_SIZE at least 1")
         if self.timeline_window_s <= 0:
             raise ValueError(f"TIMELINE_WINDOW_S must be positive, got {self.timeline_window_s}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):

@@ -3,25 +3,32 @@
 GPT-2 has no chat format: the template (api/chat_template.toml, or CHAT_TEMPLATE) turns the
 messages into a transcript and opens the assistant's turn; the reply ends where the model
 begins the next turn (the template's stop strings), at end-of-text or at max_tokens.
+With `tools`, the template offers them and writes calls as text; a reply's call is constrained by
+the grammar engine (forced: the whole reply; "auto": from the template's opener on) and answered
+as OpenAI's `tool_calls` (api/tool_calls.py).
 """
 
+import json
 import time
 import uuid
 from typing import Any, NamedTuple
 
 from flask import Blueprint, Response, jsonify, request
+from pydantic import TypeAdapter, ValidationError
 
-from api.chat_template import ROLE_ALIASES, ROLES
+from api.chat_template import ChatTemplate
 from api.generation import NewTokens, Request, sse, start, text_token_count, token_text, usage, wait_all
-from api.openai_params import SHARED_FIELDS, SharedFields, check_min_tokens, parse_shared
+from api.openai_params import SharedFields, check_min_tokens, shared_fields
+from api.protocol import AssistantMessage, ChatBody, Content, JsonSchemaFormat, Message, ToolMessage, parse
 from api.serving import Server, check_fits, server
-from api.validation import bad, boolean, integer, json_object, known_fields
+from api.structured import Asked, compiled, guided, json_schema, one_constraint
+from api.tool_calls import StreamedReply, call_json, call_schema, new_call_id, split_reply
+from api.validation import bad
 from batching.inference import Delta, Inference
+from generate.constraints import Constraint
 from generate.sequence import SamplingParams
 
 routes = Blueprint("chat", __name__)
-MAX_TOP_LOGPROBS = 20  # as OpenAI's chat completions
-FIELDS = SHARED_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
 
 
 class ChatRequest(NamedTuple):
@@ -29,76 +36,127 @@ class ChatRequest(NamedTuple):
     params: SamplingParams
     shared: SharedFields
     stop: tuple[str, ...]  # the request's and the template's
+    tool_choice: str  # "none", "auto", "required", or "function": the reply must call `function`
+    function: str | None  # the function named by tool_choice
+    call_opener: str  # the template's: what starts a call in a reply
 
 
-def parse_chat(body: Any, srv: Server) -> ChatRequest:
-    body = json_object(body)
-    known_fields(body, FIELDS, "/v1/chat/completions")
-    shared = parse_shared(body, srv)
-    prompt = srv.tokenizer.encode(srv.chat_template.render(parse_messages(body.get("messages"))), disallowed_special=())
-    logprobs = boolean(body, "logprobs", False)
-    if "top_logprobs" in body and not logprobs:
+def parse_chat(raw: Any, srv: Server) -> ChatRequest:
+    body = parse(ChatBody, raw, "/v1/chat/completions")
+    shared = shared_fields(body, srv)
+    choice, function = _tool_choice(body)
+    text = render(body.messages, srv.chat_template, body if choice != "none" else None)
+    if choice in ("required", "function"):
+        text += srv.chat_template.forced_call_prefix
+    prompt = srv.tokenizer.encode(text, disallowed_special=())
+    if body.top_logprobs is not None and not body.logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    top_logprobs = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     max_tokens, param = _max_tokens(body, srv, len(prompt))
     check_min_tokens(shared.min_tokens, max_tokens)
     check_fits(srv, len(prompt), max_tokens, param)
     params = SamplingParams(
         max_tokens=max_tokens,
         min_tokens=shared.min_tokens,
-        logprobs=top_logprobs if logprobs else None,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        constraint=compiled(
+            one_constraint(guided(body) + _chat_constraints(body, choice, function, srv.chat_template))
+        ),
         **shared.sampling,
     )
-    return ChatRequest(prompt, params, shared, shared.stop + srv.chat_template.stop)
+    stop = shared.stop + srv.chat_template.stop
+    return ChatRequest(prompt, params, shared, stop, choice, function, srv.chat_template.call_opener)
 
 
-def _max_tokens(body: dict, srv: Server, num_prompt_tokens: int) -> tuple[int, str]:
+def _tool_choice(body: ChatBody) -> tuple[str, str | None]:
+    """ "none", "auto", "required" or "function", and the function's name for "function"."""
+    if body.tools is None:
+        if body.tool_choice not in (None, "none"):
+            raise bad("'tool_choice' needs 'tools'", "tool_choice")
+        return "none", None
+    choice = body.tool_choice or "auto"
+    if isinstance(choice, str):
+        return choice, None
+    if all(t.function.name != choice.function.name for t in body.tools):
+        raise bad(f"'tool_choice' names {choice.function.name!r}, which is not among 'tools'", "tool_choice")
+    return "function", choice.function.name
+
+
+def _chat_constraints(body: ChatBody, choice: str, function: str | None, template: ChatTemplate) -> list[Asked]:
+    asked = []
+    if isinstance(body.response_format, JsonSchemaFormat):
+        schema = body.response_format.json_schema.json_schema
+        asked.append(Asked("response_format", json_schema(schema)))
+    elif body.response_format is not None and body.response_format.type == "json_object":
+        asked.append(Asked("response_format", Constraint("json_object", "")))
+    if choice == "auto":
+        assert body.tools is not None
+        spec = {"trigger": template.call_opener, "schema": call_schema(body.tools)}
+        asked.append(Asked("tools", Constraint("tool_auto", json.dumps(spec))))
+    elif choice != "none":
+        assert body.tools is not None
+        schema = call_schema(body.tools, function)
+        asked.append(Asked("tools", json_schema(schema)))
+    return asked
+
+
+def _max_tokens(body: ChatBody, srv: Server, num_prompt_tokens: int) -> tuple[int, str]:
     """max_completion_tokens (OpenAI's current name) or max_tokens; by default, as much as fits."""
-    given = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
-    if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+    given = [name for name in ("max_completion_tokens", "max_tokens") if getattr(body, name) is not None]
+    if len(given) == 2 and body.max_tokens != body.max_completion_tokens:
         raise bad("give 'max_completion_tokens' or 'max_tokens', not both", "max_tokens")
     if not given:
         return max(1, srv.engine.max_sequence_tokens - num_prompt_tokens), "messages"
-    return integer(body, given[0], None, 1, srv.engine.max_context), given[0]
+    value = getattr(body, given[0])
+    if value > srv.engine.max_context:
+        raise bad(f"'{given[0]}' must be at most {srv.engine.max_context}, got {value}", given[0])
+    return value, given[0]
 
 
-def parse_messages(messages: Any) -> list[tuple[str, str]]:
-    if not isinstance(messages, list) or not messages:
+_MESSAGES = TypeAdapter(list[Message])
+
+
+def parse_messages(raw: Any, template: ChatTemplate) -> str:
+    """A `messages` list alone (/tokenize) through the template."""
+    if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty list of messages", "messages")
-    return [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        messages = _MESSAGES.validate_python(raw, strict=True)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise bad(f"'messages' item {first['loc'][0]}: {first['msg']}", "messages") from None
+    return render(messages, template)
 
 
-def _message(message: Any, i: int) -> tuple[str, str]:
-    if not isinstance(message, dict):
-        raise bad(f"'messages[{i}]' must be an object with 'role' and 'content'", "messages")
-    message = json_object(message)
-    for name in message:
-        if name not in ("role", "content"):
-            raise bad(f"'messages[{i}].{name}' is not supported (messages have a role and text content)", "messages")
-    role = message.get("role")
-    if role not in ROLES and role not in ROLE_ALIASES:
-        names = ", ".join((*ROLES, *ROLE_ALIASES))
-        raise bad(f"'messages[{i}].role' must be one of {names} (tools are not supported), got {role!r}", "messages")
-    return role, _content(message.get("content"), i)
+def render(messages: list[Message], template: ChatTemplate, offering: ChatBody | None = None) -> str:
+    """The prompt: the offered tools (`offering`'s, when it offers them), each message's turn, the reply's opening.
+    A tool's result must answer a call an earlier assistant message made."""
+    turns, calls = [], set()
+    for i, message in enumerate(messages):
+        text = "" if message.content is None else _text(message.content)
+        if isinstance(message, AssistantMessage):
+            for call in message.tool_calls:
+                _check_arguments(call.function.arguments, i)
+                text += template.call(call_json(call.function.name, call.function.arguments))
+                calls.add(call.id)
+        if isinstance(message, ToolMessage) and message.tool_call_id not in calls:
+            raise bad(f"'messages[{i}].tool_call_id' answers no earlier assistant tool call", "messages")
+        turns.append((message.role, text))
+    tools = None
+    if offering is not None and offering.tools:
+        tools = [json.dumps(t.function.model_dump(exclude_none=True, exclude={"strict"})) for t in offering.tools]
+    return template.render(turns, tools)
 
 
-def _content(content: Any, i: int) -> str:
-    """A string, or a list of text parts (joined by newlines, as vLLM joins them)."""
-    if isinstance(content, str):
-        return content
-    parts = content if isinstance(content, list) else None
-    if parts and all(_is_text_part(p) for p in parts):
-        return "\n".join(p["text"] for p in parts)
-    raise bad(f"'messages[{i}].content' must be a string or a list of text parts", "messages")
+def _text(content: Content) -> str:
+    """A string, or text parts joined by newlines (as vLLM joins them)."""
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
-def _is_text_part(part: Any) -> bool:
-    return (
-        isinstance(part, dict)
-        and set(part) == {"type", "text"}
-        and part["type"] == "text"
-        and isinstance(part["text"], str)
-    )
+def _check_arguments(arguments: str, i: int) -> None:
+    try:
+        json.loads(arguments)
+    except json.JSONDecodeError:
+        raise bad(f"'messages[{i}].tool_calls': 'arguments' must be JSON text", "messages") from None
 
 
 @routes.post("/v1/chat/completions")
@@ -109,9 +167,10 @@ def chat_completions():
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": srv.engine.model_name}
     if chat.shared.stream:
         head["object"] = "chat.completion.chunk"
-        opening = [_chunk_choice(i, {"role": "assistant", "content": ""}) for i in range(len(req.completions))]
-        render = _StreamedReplies(srv, chat, req).render
-        events = sse(srv, req, head, render, chat.shared.include_usage, first=opening)
+        content = None if chat.tool_choice in ("required", "function") else ""  # a forced call has no content
+        opening = [_chunk_choice(i, {"role": "assistant", "content": content}) for i in range(len(req.completions))]
+        render_delta = _StreamedReplies(srv, chat, req).render
+        events = sse(srv, req, head, render_delta, chat.shared.include_usage, first=opening)
         return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
     wait_all(srv, req)
     choices = [_choice(srv, chat, inf) for inf in req.completions]
@@ -122,12 +181,24 @@ def _choice(srv: Server, chat: ChatRequest, inf: Inference) -> dict:
     logprobs = None
     if chat.params.logprobs is not None:
         logprobs = {"content": _token_logprobs(srv, inf, 0, text_token_count(inf), chat.params.logprobs)}
-    return {
-        "index": inf.index,
-        "message": {"role": "assistant", "content": inf.text.text},
-        "logprobs": logprobs,
-        "finish_reason": inf.finish_reason,
-    }
+    message, finish_reason = {"role": "assistant", "content": inf.text.text}, inf.finish_reason
+    if chat.tool_choice != "none" and inf.finish_reason == "stop":
+        content, call = split_reply(inf.text.text, _opener(chat))
+        if call is not None:
+            message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai(new_call_id())]}
+            finish_reason = _call_finish_reason(chat)
+    return {"index": inf.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _opener(chat: ChatRequest) -> str | None:
+    """What starts the call in a reply: the template's opener with "auto"; None, the reply's start, when forced."""
+    return chat.call_opener if chat.tool_choice == "auto" else None
+
+
+def _call_finish_reason(chat: ChatRequest) -> str:
+    """As OpenAI: "tool_calls" when the model chose to call ("auto", "required"), "stop" when the request
+    named the function."""
+    return "tool_calls" if chat.tool_choice in ("auto", "required") else "stop"
 
 
 def _chunk_choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
@@ -135,15 +206,27 @@ def _chunk_choice(index: int, delta: dict, logprobs: dict | None = None, finish_
 
 
 class _StreamedReplies:
+    """Each delta's chunk: its text as content, and with tools, a call's pieces as tool_calls."""
+
     def __init__(self, srv: Server, chat: ChatRequest, req: Request):
         self.srv, self.chat, self.new_tokens = srv, chat, NewTokens(req)
+        self.texts = [""] * len(req.completions)
+        self.replies = [StreamedReply(_opener(chat)) for _ in req.completions]
 
     def render(self, delta: Delta) -> dict:
         inf, start, end = self.new_tokens.take(delta)
         logprobs = None
         if self.chat.params.logprobs is not None:
             logprobs = {"content": _token_logprobs(self.srv, inf, start, end, self.chat.params.logprobs)}
-        return _chunk_choice(delta.index, {"content": delta.text}, logprobs, delta.finish_reason)
+        if self.chat.tool_choice == "none":
+            return _chunk_choice(delta.index, {"content": delta.text}, logprobs, delta.finish_reason)
+        self.texts[delta.index] += delta.text
+        reply = self.replies[delta.index]
+        piece = reply.delta(self.texts[delta.index], finished=delta.finish_reason is not None)
+        finish_reason = delta.finish_reason
+        if finish_reason == "stop" and reply.named:
+            finish_reason = _call_finish_reason(self.chat)
+        return _chunk_choice(delta.index, piece, logprobs, finish_reason)
 
 
 def _token_logprobs(srv: Server, inf: Inference, start: int, end: int, top_n: int) -> list[dict]:

@@ -13,16 +13,15 @@ from typing import Any, NamedTuple
 from flask import Blueprint, Response, jsonify, request
 
 from api.generation import NewTokens, Request, sse, start, text_token_count, token_text, usage, wait_all
-from api.openai_params import MAX_N, SHARED_FIELDS, SharedFields, check_min_tokens, parse_shared
+from api.openai_params import SharedFields, check_min_tokens, shared_fields
+from api.protocol import CompletionBody, parse
 from api.serving import Server, check_fits, server
-from api.validation import bad, boolean, integer, json_object, known_fields
+from api.structured import compiled, guided, one_constraint
+from api.validation import bad
 from batching.inference import Delta, Inference
 from generate.sequence import SamplingParams, TokenLogprobs
 
 routes = Blueprint("openai", __name__)
-MAX_LOGPROBS = 5  # as OpenAI's completions
-MAX_PROMPTS = 64  # prompts in one request
-FIELDS = SHARED_FIELDS | {"prompt", "max_tokens", "echo", "logprobs", "best_of"}
 
 
 class CompletionRequest(NamedTuple):
@@ -33,43 +32,38 @@ class CompletionRequest(NamedTuple):
     echo: bool
 
 
-def parse_completion(body: Any, srv: Server) -> CompletionRequest:
-    body = json_object(body)
-    known_fields(body, FIELDS, "/v1/completions")
-    shared = parse_shared(body, srv)
-    if integer(body, "best_of", shared.n, 1, MAX_N) != shared.n:
+def parse_completion(raw: Any, srv: Server) -> CompletionRequest:
+    body = parse(CompletionBody, raw, "/v1/completions")
+    shared = shared_fields(body, srv)
+    if body.best_of is not None and body.best_of != body.n:
         raise bad("'best_of' is not supported: only 'best_of' equal to 'n' (every candidate returned)", "best_of")
-    echo = boolean(body, "echo", False)
-    if body.get("max_tokens") == 0 and not echo:
+    if body.max_tokens == 0 and not body.echo:
         raise bad("'max_tokens' may be 0 only with 'echo': true (the prompt's log-probabilities)", "max_tokens")
-    max_tokens = integer(body, "max_tokens", 16, 0, srv.engine.max_context)
-    check_min_tokens(shared.min_tokens, max_tokens)
-    logprobs = integer(body, "logprobs", None, 0, MAX_LOGPROBS) if "logprobs" in body else None
-    prompts, texts = _prompts(body.get("prompt"), srv)
+    if body.max_tokens > srv.engine.max_context:
+        raise bad(f"'max_tokens' must be at most {srv.engine.max_context}, got {body.max_tokens}", "max_tokens")
+    check_min_tokens(shared.min_tokens, body.max_tokens)
+    prompts, texts = _prompts(body.prompt, srv)
     for i, ids in enumerate(prompts):
-        check_fits(srv, len(ids), max_tokens, "max_tokens", f"prompt {i}: " if len(prompts) > 1 else "")
+        check_fits(srv, len(ids), body.max_tokens, "max_tokens", f"prompt {i}: " if len(prompts) > 1 else "")
     params = SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=body.max_tokens,
         min_tokens=shared.min_tokens,
-        logprobs=logprobs,
-        prompt_logprobs=logprobs if echo else None,
+        logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if body.echo else None,
+        constraint=compiled(one_constraint(guided(body))),
         **shared.sampling,
     )
-    return CompletionRequest(prompts, texts, params, shared, echo)
+    return CompletionRequest(prompts, texts, params, shared, body.echo)
 
 
-def _prompts(prompt: Any, srv: Server) -> tuple[list[list[int]], list[str]]:
-    """A string, a list of token ids, or a list of either: the prompts' ids, and their text."""
+def _prompts(prompt: str | list, srv: Server) -> tuple[list[list[int]], list[str]]:
+    """A string, a list of token ids, or a list of either (the shapes CompletionBody allows): the
+    prompts' ids, and their text."""
     vocab = srv.tokenizer.n_vocab
-    is_ids = lambda p: isinstance(p, list) and p and all(type(t) is int and 0 <= t < vocab for t in p)
-    many = isinstance(prompt, list) and prompt and not is_ids(prompt)
+    many = isinstance(prompt, list) and not isinstance(prompt[0], int)
     items = prompt if many else [prompt]
-    if len(items) > MAX_PROMPTS or not all((isinstance(p, str) and p) or is_ids(p) for p in items):
-        raise bad(
-            f"'prompt' must be a non-empty string or list of token ids below {vocab}, or a list of at most "
-            f"{MAX_PROMPTS} of them",
-            "prompt",
-        )
+    if any(isinstance(p, list) and not all(0 <= t < vocab for t in p) for p in items):
+        raise bad(f"'prompt' token ids must be from 0 to {vocab - 1}", "prompt")
     ids = [srv.tokenizer.encode(p, disallowed_special=()) if isinstance(p, str) else p for p in items]
     texts = [p if isinstance(p, str) else srv.tokenizer.decode(p) for p in items]
     return ids, texts

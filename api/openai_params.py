@@ -1,78 +1,52 @@
-"""The request fields /v1/completions and /v1/chat/completions share: model, n, sampling, stop, streaming.
+"""From a validated body (api/protocol.py) to what the engine takes: the checks that depend on the served model."""
 
-Names and ranges follow OpenAI's API reference; `top_k`, `min_tokens`, `repetition_penalty` and
-`ignore_eos` are vLLM's extras. Every problem is a 400 naming its field.
-"""
+from typing import NamedTuple
 
-from typing import Any, NamedTuple
-
+from api.protocol import SamplingRequest
 from api.serving import Server
-from api.validation import bad, boolean, integer, number, optional_seed
-
-MAX_N = 16  # completions of one prompt in one request
-MAX_STOP_STRINGS = 4  # as OpenAI
-MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI
-LOGIT_BIAS_LIMIT = 100.0  # |bias|: -100 bans a token, 100 all but forces it
-
-SHARED_FIELDS = frozenset(
-    {
-        "model",
-        "n",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "stream",
-        "stream_options",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "logit_bias",
-        "min_tokens",
-        "ignore_eos",
-        "user",  # OpenAI's end-user id for abuse monitoring: accepted, and changes nothing
-    }
-)
+from api.validation import ApiError, bad
 
 
 class SharedFields(NamedTuple):
     n: int
-    sampling: dict[str, Any]  # SamplingParams fields, all but max_tokens, min_tokens and the logprobs
+    sampling: dict  # SamplingParams fields, all but max_tokens, min_tokens, the logprobs and the constraint
     min_tokens: int  # checked against max_tokens once the endpoint knows it
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # streaming: a last event with the token counts
 
 
-def parse_shared(body: dict, srv: Server) -> SharedFields:
-    model = body.get("model")
-    if model is not None and model != srv.engine.model_name:
-        raise bad(f"'model' must be {srv.engine.model_name!r} (the served model) or omitted, got {model!r}", "model")
-    if "user" in body and not isinstance(body["user"], str):
-        raise bad("'user' must be a string", "user")
-    stream = boolean(body, "stream", False)
+def shared_fields(body: SamplingRequest, srv: Server) -> SharedFields:
+    check_model(body.model, srv)
     vocab = srv.tokenizer.n_vocab
-    top_k = integer(body, "top_k", 0, -1, vocab)
+    if body.top_k > vocab:
+        raise bad(f"'top_k' must be between -1 and {vocab}, got {body.top_k}", "top_k")
+    if body.min_tokens > srv.engine.max_context:
+        raise bad(f"'min_tokens' must be at most {srv.engine.max_context}, got {body.min_tokens}", "min_tokens")
+    if body.stream_options is not None and not body.stream:
+        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     sampling = {
-        "temperature": number(body, "temperature", 1.0, 0.0, 2.0),
-        "top_k": max(top_k, 0),  # vLLM's -1 means off, as 0 does
-        "top_p": number(body, "top_p", 1.0, 1e-9, 1.0),
-        "seed": optional_seed(body),
-        "stop_at_eos": not boolean(body, "ignore_eos", False),
-        "presence_penalty": number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": number(body, "repetition_penalty", 1.0, 0.01, 10.0),
-        "logit_bias": _logit_bias(body.get("logit_bias", {}), vocab),
+        "temperature": body.temperature,
+        "top_k": max(body.top_k, 0),
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "stop_at_eos": not body.ignore_eos,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "logit_bias": _logit_bias(body.logit_bias, vocab),
     }
-    return SharedFields(
-        n=integer(body, "n", 1, 1, MAX_N),
-        sampling=sampling,
-        min_tokens=integer(body, "min_tokens", 0, 0, srv.engine.max_context),
-        stop=_stop_strings(body.get("stop")),
-        stream=stream,
-        include_usage=_include_usage(body.get("stream_options"), stream),
-    )
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return SharedFields(body.n, sampling, body.min_tokens, stop, body.stream, include_usage)
+
+
+def check_model(model: str | None, srv: Server) -> None:
+    """A model this server does not serve is a 404, as OpenAI and vLLM answer it."""
+    served = srv.engine.model_name
+    if model is not None and model != served:
+        message = f"the model {model!r} does not exist here: this server serves {served!r} (or omit 'model')"
+        raise ApiError(404, message, param="model", code="model_not_found")
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
@@ -80,35 +54,11 @@ def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
         raise bad(f"'min_tokens' ({min_tokens}) must not exceed the maximum tokens ({max_tokens})", "min_tokens")
 
 
-def _logit_bias(bias: Any, vocab: int) -> tuple[tuple[int, float], ...]:
-    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-        raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids to numbers", "logit_bias")
+def _logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
     entries = []
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        token = int(key) if key.isascii() and key.isdigit() else -1
         if not 0 <= token < vocab:
             raise bad(f"'logit_bias' keys must be token ids below {vocab}, got {key!r}", "logit_bias")
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
-            raise bad(f"'logit_bias' values must be numbers from -100 to 100, got {value!r}", "logit_bias")
-        entries.append((token, float(value)))
+        entries.append((token, value))
     return tuple(entries)
-
-
-def _stop_strings(stop: Any) -> tuple[str, ...]:
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
-        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
-    return tuple(stops)
-
-
-def _include_usage(options: Any, stream: bool) -> bool:
-    if options is None:
-        return False
-    if not stream:
-        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
-    if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
-        raise bad("'stream_options' must be an object with at most the key 'include_usage'", "stream_options")
-    if not isinstance(options.get("include_usage", False), bool):
-        raise bad("'stream_options.include_usage' must be true or false", "stream_options")
-    return options.get("include_usage", False)

@@ -1,11 +1,10 @@
 """POST /tokenize and POST /detokenize, in vLLM's shapes: the server's own tokenizer, for clients that count
 or build token-id prompts (lm-evaluation-harness among them)."""
 
-from typing import Any
-
 from flask import Blueprint, jsonify, request
 
 from api.chat import parse_messages
+from api.openai_params import check_model
 from api.serving import server
 from api.validation import bad, boolean, json_object, known_fields
 
@@ -18,7 +17,7 @@ def tokenize():
     srv = server()
     body = json_object(request.get_json(silent=True))
     known_fields(body, ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"), "/tokenize")
-    _check_model(body, srv.engine.model_name)
+    check_model(body.get("model"), srv)
     boolean(body, "add_special_tokens", True)  # GPT-2 adds none either way
     if ("prompt" in body) == ("messages" in body):
         raise bad("give either 'prompt' (a string) or 'messages' (a chat)", "prompt")
@@ -28,7 +27,7 @@ def tokenize():
                 "'add_generation_prompt' false is not supported: the template always opens the reply",
                 "add_generation_prompt",
             )
-        text = srv.chat_template.render(parse_messages(body["messages"]))
+        text = parse_messages(body["messages"], srv.chat_template)
     elif isinstance(body["prompt"], str):
         text = body["prompt"]
     else:
@@ -43,14 +42,8 @@ def detokenize():
     srv = server()
     body = json_object(request.get_json(silent=True))
     known_fields(body, ("model", "tokens"), "/detokenize")
-    _check_model(body, srv.engine.model_name)
+    check_model(body.get("model"), srv)
     tokens, vocab = body.get("tokens"), srv.tokenizer.n_vocab
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
         raise bad(f"'tokens' must be a list of token ids below {vocab}", "tokens")
     return jsonify(prompt=srv.tokenizer.decode(tokens))
-
-
-def _check_model(body: dict, served: str) -> None:
-    model: Any = body.get("model")
-    if model is not None and model != served:
-        raise bad(f"'model' must be {served!r} (the served model) or omitted, got {model!r}", "model")

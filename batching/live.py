@@ -22,6 +22,7 @@ from batching.histograms import HISTOGRAMS, SECONDS, Histogram, token_buckets
 from batching.inference import Inference
 from batching.stats import Stats, outcome
 from batching.window import StepTokens, Window
+from generate.constraints import compile_stats
 from generate.engine import Engine
 
 Reading = float | dict[str, float]
@@ -172,6 +173,56 @@ LIVE_VALUES = (
         lambda t: t.stats.finished_reasons(),
         label="finished_reason",
         vllm=("vllm:request_success",),
+    ),
+    # structured output (generate/constraints.py, generate/grammar_mask.py)
+    LiveValue(
+        "constrained_requests",
+        "gpt2_constrained_requests",
+        "counter",
+        "Requests admitted with a constraint (structured output)",
+        lambda t: t.engine.grammar.stats.constrained_requests,
+    ),
+    LiveValue(
+        "constraint_compiles",
+        "gpt2_constraint_compiles",
+        "counter",
+        "Constraints compiled",
+        lambda t: compile_stats().compiles,
+    ),
+    LiveValue(
+        "constraint_cache_hits",
+        "gpt2_constraint_cache_hits",
+        "counter",
+        "Constraints taken from the compile cache",
+        lambda t: compile_stats().cache_hits,
+    ),
+    LiveValue(
+        "constraint_compile_mean_s",
+        "gpt2_constraint_compile_mean_seconds",
+        "gauge",
+        "Mean compile time of recent constraints",
+        lambda t: compile_stats().mean_s,
+    ),
+    LiveValue(
+        "constraint_compile_p99_s",
+        "gpt2_constraint_compile_p99_seconds",
+        "gauge",
+        "99th percentile compile time of recent constraints",
+        lambda t: compile_stats().p99_s,
+    ),
+    LiveValue(
+        "mask_fill_mean_s",
+        "gpt2_mask_fill_mean_seconds",
+        "gauge",
+        "Mean time filling a step's token masks (overlapped with the forward pass), over steps with any",
+        lambda t: t.engine.grammar.stats.mean_fill_s(),
+    ),
+    LiveValue(
+        "mask_wait_mean_s",
+        "gpt2_mask_wait_mean_seconds",
+        "gauge",
+        "Mean time the loop waited for and applied a step's token masks, over steps with any",
+        lambda t: t.engine.grammar.stats.mean_wait_s(),
     ),
 )
 

@@ -8,6 +8,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from config import Settings
+from generate import constraints
+from generate.grammar_mask import GrammarMasks, StepMasks
 from generate.model_runner import ModelRunner
 from generate.scheduler import Scheduler
 from generate.sequence import SamplingParams, Sequence, Status
@@ -27,14 +29,16 @@ class Runner(Protocol):
     It reads each sequence's block table, computed and scheduled token counts, and records
     logprobs and prompt logprobs (`Sequence.logits_positions`) on the sequences that ask for
     them; the engine does all the bookkeeping around it.
-    It laps the clock after building its inputs ("build"), the forward pass ("forward") and
-    sampling ("sample").
+    It laps the clock after building its inputs ("build"), the forward pass ("forward"), waiting
+    for the step's constraint masks ("mask") and sampling ("sample"). `masks` (None when no
+    sampling sequence is constrained) are filling while it runs; the tokens it chooses for those
+    rows must be ones the masks allow.
     """
 
     max_context: int
     on_gpu: bool  # sets the default token budget
 
-    def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]: ...
+    def run(self, seqs: list[Sequence], clock: StageClock, masks: StepMasks | None = None) -> list[int | None]: ...
 
 
 class StepResult(NamedTuple):
@@ -54,6 +58,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_running, self.max_batch_tokens, settings.chunked_prefill)
         self.step_log = StepLog(settings.step_log_size)
         self.num_steps = 0
+        constraints.configure(settings)
+        self.grammar = GrammarMasks(constraints.VOCAB_SIZE, runner.on_gpu)  # .stats: structured output's counters
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Engine":
@@ -96,6 +102,7 @@ class Engine:
         problem = self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
         if problem:
             raise ValueError(problem)
+        self.grammar.stats.constrained_requests += seq.matcher is not None and seq.fork_of is None
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -120,7 +127,9 @@ class Engine:
         seqs.sort(key=lambda s: s.num_scheduled_tokens == 1)  # multi-token chunks first, as the batch wants
         record = self._record(seqs, clock)
         clock.lap("schedule")
-        tokens = self.runner.run(seqs, clock)
+        masks = self.grammar.start(seqs)  # filled on a worker thread while the forward pass runs
+        tokens = self.runner.run(seqs, clock, masks)
+        self.grammar.finish(masks, clock.stages.get("mask", 0.0))
         assert len(tokens) == len(seqs)
         for seq, token in zip(seqs, tokens):
             assert (token is not None) == seq.samples_this_step

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from config import Settings
+from generate.grammar_mask import StepMasks
 from generate.sampler import Sampler
 from generate.sequence import Sequence
 from generate.step_input import build_step_inputs, reference_groups, upload
@@ -106,12 +107,15 @@ class ModelRunner:
         max_batch = settings.max_running(device.type == "cuda", model.config.n_positions)
         return cls(model, num_blocks, settings.block_size, attention, graphs, max_batch)
 
-    def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]:
+    def run(self, seqs: list[Sequence], clock: StageClock, masks: StepMasks | None = None) -> list[int | None]:
         """One forward over every sequence's scheduled tokens (chunks first); the next token of each
         sequence whose chunk reaches its end, None for the others."""
         logits = self._forward(seqs, clock)  # [N, V]: the rows each sequence asks for (Sequence.logits_positions)
         clock.lap("forward")
-        tokens = self.sampler(seqs, logits)  # the step's one device-to-host transfer: the sampled tokens
+        if masks is not None:
+            masks.wait()
+            clock.lap("mask")
+        tokens = self.sampler(seqs, logits, masks)  # the step's one device-to-host transfer: the sampled tokens
         clock.lap("sample")
         return tokens
 

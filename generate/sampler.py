@@ -8,6 +8,7 @@ the sampling rows, and the one transfer back to the host is the sampled tokens.
 
 import torch
 
+from generate.grammar_mask import StepMasks
 from generate.sampling import SamplingRow, SamplingTensors, sample, top_logprobs
 from generate.sequence import Sequence, TokenLogprobs
 from model.tokenizer import EOT_ID
@@ -17,8 +18,9 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | None]:
-        """The next token of each sequence that samples, None for the others; logprobs recorded on the way."""
+    def __call__(self, seqs: list[Sequence], logits: torch.Tensor, masks: StepMasks | None = None) -> list[int | None]:
+        """The next token of each sequence that samples, None for the others; logprobs recorded on the way.
+        `masks` (filled) rule out the tokens each constrained row's grammar forbids, before anything else."""
         prompt_rows, sample_rows = _layout(seqs)
         if prompt_rows:
             self._record_prompt_logprobs(seqs, logits, prompt_rows)
@@ -27,8 +29,8 @@ class Sampler:
         if not sampling:
             return [None] * len(seqs)
         settings = SamplingTensors.build([sampling_row(s) for s in sampling], logits.shape[1], self.device)
-        sampled = sample(logits, settings)  # [N]
-        self._record_logprobs(sampling, logits, sampled)
+        sampled = sample(logits if masks is None else masks.apply(logits), settings)  # [N]
+        self._record_logprobs(sampling, logits, sampled)  # the model's own distribution, unmasked
         tokens = iter(sampled.tolist())
         return [next(tokens) if s.samples_this_step else None for s in seqs]
 

@@ -5,9 +5,14 @@ import itertools
 import random
 import secrets
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from model.tokenizer import EOT_ID
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from generate.constraints import CompiledConstraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # ... and -= frequency * count
     repetition_penalty: float = 1.0  # CTRL's, over prompt and generated tokens: logit / p if > 0, else logit * p
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit before sampling)
+    constraint: "CompiledConstraint | None" = None  # structured output: compiled before admission (constraints.py)
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 0 and self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1
@@ -76,6 +82,8 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" or "stop"
     rng: random.Random = field(init=False)  # this sequence's own uniforms: one request's seed touches no other's
+    # Its constraint's state: advanced only by tokens appended, so it survives preemption and recomputation.
+    matcher: "llguidance.LLMatcher | None" = field(init=False)
     # KV state, owned by the block manager and the engine
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
@@ -92,6 +100,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
         self.rng = random.Random(seed)
+        self.matcher = self.params.constraint.matcher() if self.params.constraint is not None else None
 
     @property
     def completion_ids(self) -> list[int]:
@@ -147,16 +156,26 @@ class Sequence:
         self.fork_of = None
 
     def append(self, token: int) -> None:
-        """Record a sampled token and decide whether the sequence ends with it: end-of-text, a stop string
-        (through the stop checker) or its length. This is the one place a sequence's end is decided."""
+        """Record a sampled token and decide whether the sequence ends with it: end-of-text, the end of its
+        constraint's grammar, a stop string (through the stop checker) or its length. This is the one place
+        a sequence's end is decided."""
         self.token_ids.append(token)
         may_stop = self.num_generated >= self.params.min_tokens
-        if self.params.stop_at_eos and token == EOT_ID and may_stop:
+        grammar_ended = self._advance_matcher(token)
+        if token == EOT_ID and (grammar_ended or (self.params.stop_at_eos and may_stop)):
             self.end("stop")  # the end-of-text token is no text: the stop checker never sees it
-        elif self.stop is not None and self.stop.stops_at(token, may_stop):
+        elif (self.stop is not None and self.stop.stops_at(token, may_stop)) or grammar_ended:
             self.end("stop")
         elif self.num_generated >= self.params.max_tokens:
             self.end("length")
+
+    def _advance_matcher(self, token: int) -> bool:
+        """Feed the token to the constraint's matcher; whether the grammar has ended (it takes nothing more)."""
+        if self.matcher is None:
+            return False
+        accepted = self.matcher.consume_token(token)  # drawn from the matcher's own mask, so always accepted
+        assert accepted, f"the constraint refused token {token}: {self.matcher.get_error()}"
+        return self.matcher.is_stopped()
 
     def end(self, reason: str) -> None:
         self.finish_reason = reason

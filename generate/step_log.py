@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 STAGES = ("schedule", "build", "forward", "sample", "deliver")
+# and "mask" (waiting for the step's constraint masks, generate/grammar_mask.py) in the steps that had any
 
 
 class StageClock:

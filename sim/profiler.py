@@ -26,6 +26,7 @@ import torch
 
 from config import Settings
 from generate.engine import Engine, device_and_dtype
+from generate.grammar_mask import StepMasks
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
 from generate.step_log import StageClock
@@ -77,10 +78,10 @@ class _Runner:
     def __init__(self, inner: ModelRunner):
         self.inner, self.max_context, self.on_gpu, self.skip = inner, inner.max_context, inner.on_gpu, False
 
-    def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]:
+    def run(self, seqs: list[Sequence], clock: StageClock, masks: StepMasks | None = None) -> list[int | None]:
         if self.skip:
             return [0 if s.samples_this_step else None for s in seqs]
-        return self.inner.run(seqs, clock)
+        return self.inner.run(seqs, clock, masks)
 
 
 def measure(

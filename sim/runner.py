@@ -6,13 +6,17 @@ model gives the scheduled sequences on the simulated GPUs, then returns, for eac
 a token that depends only on its last token and its length. That token is never
 <|endoftext|>, so every request runs to its max_tokens, and temperature, top-k, top-p,
 penalties, logit bias and seed change nothing. The text is GPT-2-tokenizer filler whatever
-model is simulated: the simulation is of time and memory, not of words.
+model is simulated: the simulation is of time and memory, not of words. A constrained
+sequence (structured output) takes the first token its grammar allows from that choice on.
 """
 
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from config import Settings
+from generate.grammar_mask import StepMasks
 from generate.sequence import Sequence, TokenLogprobs
 from generate.step_log import StageClock
 from model.tokenizer import EOT_ID
@@ -45,13 +49,16 @@ class SimRunner:
         chunks = [(s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in seqs]
         return step_cost(self.gpu, self.model, chunks, self.num_gpus)
 
-    def run(self, seqs: list[Sequence], clock: StageClock) -> list[int | None]:
+    def run(self, seqs: list[Sequence], clock: StageClock, masks: StepMasks | None = None) -> list[int | None]:
         seconds = self.cost(seqs).total_s
         clock.lap("build")
         self.sleep(seconds)
         self.simulated_s += seconds
         clock.lap("forward")
         tokens = [next_token(s.token_ids) if s.samples_this_step else None for s in seqs]
+        if masks is not None:
+            _keep_within(tokens, masks.wait())
+            clock.lap("mask")
         for seq, token in zip(seqs, tokens):
             # The simulated model is deterministic: every token it sees or chooses has probability 1.
             positions, top_n = seq.prompt_logprob_positions(), seq.params.prompt_logprobs
@@ -60,6 +67,15 @@ class SimRunner:
                 seq.logprobs.append(_certain(token, seq.params.logprobs))
         clock.lap("sample")
         return tokens
+
+
+def _keep_within(tokens: list[int | None], masks: StepMasks) -> None:
+    """A constrained row takes the first token its grammar allows at or after the simulated choice
+    (wrapping round the vocabulary), so structured output works on the simulated engine too."""
+    sampling = [i for i, token in enumerate(tokens) if token is not None]
+    for k, row in enumerate(masks.rows):
+        i, allowed = sampling[row], masks.allowed(k)
+        tokens[i] = int(allowed[np.searchsorted(allowed, tokens[i]) % len(allowed)])
 
 
 def _certain(token: int, top_n: int | None) -> TokenLogprobs:

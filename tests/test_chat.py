@@ -111,10 +111,13 @@ def test_stop_strings_and_max_tokens(client, model):
         ({"seed": -1}, "seed"),
         ({"logit_bias": {"1": 200}}, "logit_bias"),
         ({"presence_penalty": 9}, "presence_penalty"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+        ({"tools": []}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"model": "gpt-4o"}, "model"),
     ],
 )
 def test_bad_requests_raise_bad_request_error_naming_the_field(client, model, kwargs, param):
@@ -122,6 +125,12 @@ def test_bad_requests_raise_bad_request_error_naming_the_field(client, model, kw
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(**kwargs)
     assert caught.value.body["param"] == param
+
+
+def test_a_model_not_served_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
 
 
 # --- a template of one's own (CHAT_TEMPLATE) -----------------------------------------------

@@ -41,6 +41,10 @@ MESSAGE = st.fixed_dictionaries(
         "name": st.text(max_size=5),
     },
 )
+SCHEMA = st.sampled_from([{"type": "object"}, {"type": "integer", "maximum": 99}, {"type": "nope"}, {"enum": [1, "a"]}])
+TOOL = st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "bad name"])})},
+)
 FIELDS = {
     "prompt": st.text(max_size=40) | TOKEN_IDS | st.lists(st.text(max_size=10) | TOKEN_IDS, max_size=3) | JSON,
     "messages": st.lists(MESSAGE, max_size=3) | JSON,
@@ -73,6 +77,17 @@ FIELDS = {
     "suffix": st.text(max_size=3),
     "user": st.text(max_size=5) | JSON,
     "model": st.text(max_size=10) | JSON,
+    "guided_json": SCHEMA | SCHEMA.map(json.dumps) | JSON,
+    "guided_regex": st.sampled_from(["[a-c]{1,5}", "(", "\\d+", ""]) | JSON,
+    "guided_choice": st.lists(st.text(max_size=4), max_size=3) | JSON,
+    "guided_grammar": st.sampled_from(['start: "a" | "b"', 'root ::= "x"+', "start: undefined"]) | JSON,
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"])},
+        optional={"json_schema": st.fixed_dictionaries({"name": st.just("x"), "schema": SCHEMA})},
+    )
+    | JSON,
+    "tools": st.lists(TOOL, max_size=2) | JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | JSON,
 }
 BODIES = st.fixed_dictionaries({}, optional=FIELDS) | JSON
 ENDPOINTS = ["/inference", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
@@ -101,7 +116,8 @@ def assert_answer_shape(endpoint: str, payload: dict) -> None:
     elif endpoint == "/v1/completions":
         assert all(isinstance(c["text"], str) for c in payload["choices"]) and payload["choices"]
     elif endpoint == "/v1/chat/completions":
-        assert all(isinstance(c["message"]["content"], str) for c in payload["choices"]) and payload["choices"]
+        messages = [c["message"] for c in payload["choices"]]
+        assert all(isinstance(m["content"], str) or m["tool_calls"] for m in messages) and messages
     elif endpoint == "/tokenize":
         assert payload["count"] == len(payload["tokens"])
     else:

@@ -1,0 +1,69 @@
+"""A request's one output constraint: which field asked for it, as the grammar engine takes it, compiled.
+
+The fields are vLLM's `guided_*` (both endpoints) and, on chat, OpenAI's `response_format` and
+forced tool calls (api/tool_calls.py). Compiling happens here, on the request's thread, before
+the request is admitted: a constraint the engine refuses is a 400 naming the field, and the
+engine's loop never waits for a compile.
+"""
+
+import json
+import re
+from typing import NamedTuple
+
+from api.protocol import SamplingRequest
+from api.validation import bad
+from generate.constraints import CompiledConstraint, Constraint, ConstraintError, compile_constraint
+
+# GBNF / xgrammar's EBNF defines rules with "::="; Lark (vLLM's tests, llguidance) with ":".
+_EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
+
+
+class Asked(NamedTuple):
+    field: str  # the request field that asked for it, named by a 400
+    constraint: Constraint
+
+
+def guided(body: SamplingRequest) -> list[Asked]:
+    """The constraints the guided_* fields ask for (more than one is refused by `one_constraint`)."""
+    asked = []
+    ws = body.guided_whitespace_pattern
+    if body.guided_json is not None:
+        # JSON text is passed on as it is: the engine judges it (not JSON, not a schema: a 400 naming the field)
+        spec = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        asked.append(Asked("guided_json", Constraint("json_schema", spec, ws)))
+    if body.guided_regex is not None:
+        asked.append(Asked("guided_regex", Constraint("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        asked.append(Asked("guided_choice", Constraint("choice", json.dumps(body.guided_choice))))
+    if body.guided_grammar is not None:
+        asked.append(Asked("guided_grammar", Constraint(grammar_kind(body.guided_grammar), body.guided_grammar)))
+    if ws is not None and [a.constraint.kind for a in asked] != ["json_schema"]:
+        field = "guided_whitespace_pattern"
+        raise bad(f"'{field}' applies to a JSON constraint ('guided_json') only", field)
+    return asked
+
+
+def grammar_kind(grammar: str) -> str:
+    """ "ebnf" for a grammar whose rules are written `name ::= ...` (GBNF, as xgrammar takes it), else "lark"."""
+    return "ebnf" if _EBNF_RULE.search(grammar) else "lark"
+
+
+def json_schema(schema: dict, whitespace: str | None = None) -> Constraint:
+    return Constraint("json_schema", json.dumps(schema), whitespace)
+
+
+def one_constraint(asked: list[Asked]) -> Asked | None:
+    if len(asked) > 1:
+        names = " and ".join(f"'{a.field}'" for a in asked)
+        raise bad(f"give one constraint per request, not {names}", asked[1].field)
+    return asked[0] if asked else None
+
+
+def compiled(asked: Asked | None) -> CompiledConstraint | None:
+    """The constraint compiled (cached by the engine's module); a refusal is a 400 naming its field."""
+    if asked is None:
+        return None
+    try:
+        return compile_constraint(asked.constraint)
+    except ConstraintError as err:
+        raise bad(f"'{asked.field}': {err}", asked.field) from None
