@@ -15,7 +15,7 @@ from test_model import make_engine, run_checked
 
 from batching.text_stream import TextStream
 from config import Settings
-from generate.constraints import Constraint, ConstraintError, compile_constraint, compile_stats
+from generate.constraints import Constraint, ConstraintError, compile_constraint, compile_stats, configure
 from generate.sequence import SamplingParams, Sequence
 from model.tokenizer import EOT_ID, load_tokenizer
 
@@ -281,6 +281,17 @@ def test_same_constraint_compiles_once():
     first, second = compile_constraint(constraint), compile_constraint(constraint)
     after = compile_stats()
     assert first is second and after.cache_hits == before.cache_hits + 1 and after.compiles == before.compiles + 1
+
+
+def test_a_compile_over_the_time_limit_is_refused_and_not_cached():
+    constraint = Constraint("choice", json.dumps([f"option {i} of many" for i in range(300)]))  # compiles in ms
+    configure(Settings(constraint_compile_timeout_s=1e-4))
+    try:
+        with pytest.raises(ConstraintError, match="longer than"):
+            compile_constraint(constraint)
+    finally:
+        configure(Settings())
+    assert compile_constraint(constraint).constraint == constraint  # compiled afresh within the usual limit
 
 
 @pytest.mark.parametrize(
