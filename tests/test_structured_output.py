@@ -15,7 +15,7 @@ from test_model import make_engine, run_checked
 
 from batching.text_stream import TextStream
 from config import Settings
-from generate.constraints import Constraint, ConstraintError, compile_constraint, compile_stats
+from generate.constraints import Constraint, ConstraintError, compile_constraint, compile_stats, configure
 from generate.sequence import SamplingParams, Sequence
 from model.tokenizer import EOT_ID, load_tokenizer
 
@@ -281,6 +281,20 @@ def test_same_constraint_compiles_once():
     first, second = compile_constraint(constraint), compile_constraint(constraint)
     after = compile_stats()
     assert first is second and after.cache_hits == before.cache_hits + 1 and after.compiles == before.compiles + 1
+
+
+def test_a_compile_over_the_time_limit_is_refused_and_not_cached():
+    # a choice among 1500 strings takes most of a second to compile: far over a 10 ms limit
+    constraint = Constraint("choice", json.dumps([f"option {i} of many" for i in range(1500)]))
+    before = compile_stats()
+    configure(Settings(constraint_compile_timeout_s=0.01))
+    try:
+        with pytest.raises(ConstraintError, match="longer than"):
+            compile_constraint(constraint)
+    finally:
+        configure(Settings())
+    after = compile_stats()
+    assert after.failures == before.failures + 1 and after.compiles == before.compiles
 
 
 @pytest.mark.parametrize(
