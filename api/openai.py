@@ -18,6 +18,7 @@ from api.serving import Server, check_fits, server
 from api.validation import bad, boolean, integer, json_object, known_fields
 from batching.inference import Delta, Inference
 from generate.sequence import SamplingParams, TokenLogprobs
+from model.tokenizer import encode_prompt
 
 routes = Blueprint("openai", __name__)
 MAX_LOGPROBS = 5  # as OpenAI's completions
@@ -70,7 +71,7 @@ def _prompts(prompt: Any, srv: Server) -> tuple[list[list[int]], list[str]]:
             f"{MAX_PROMPTS} of them",
             "prompt",
         )
-    ids = [srv.tokenizer.encode(p, disallowed_special=()) if isinstance(p, str) else p for p in items]
+    ids = [encode_prompt(srv.tokenizer, p) if isinstance(p, str) else p for p in items]
     texts = [p if isinstance(p, str) else srv.tokenizer.decode(p) for p in items]
     return ids, texts
 

@@ -1,8 +1,11 @@
 """Same seed, same tokens: a seeded request gets the same completion alone or in any batch, in every
 mode, at any MAX_BATCH_TOKENS, from a cold or a warm prefix cache, after preemption, through every
-endpoint. Real servers (./server.sh, gunicorn) on a checkpoint whose next-token distributions are
-nearly uniform over the 50,257 tokens (GPT-2's initializer range of 0.02 on a tiny model): the hard
-case, where inverse-CDF sampling turned the last bits of a logit into another token.
+endpoint. Real servers (./server.sh, gunicorn) on the tests' tiny checkpoint, sampled at temperatures
+0.9 to 1.5: its spread-out weights give logits of magnitude ~10, whose last bits differ by ~1e-6
+from one compute path to another, over broad distributions: the hard case. Inverse-CDF sampling,
+which the server used before, parted from the reference at tokens 22, 42 and 56 of three of these
+requests when they ran in a batch (with a checkpoint of nearly uniform, tiny logits it rarely did:
+their roundings are smaller in absolute terms).
 
 The reference is the nobatch server with no prefix cache and 13 tokens a step, each request alone;
 the other servers compute the same logits along other paths (other chunks, batches, cached blocks,
@@ -15,14 +18,12 @@ from typing import NamedTuple
 
 import pytest
 import requests
-import torch
-from conftest import TINY
 
 from client.launch import running_server
 from model.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer()
-NUM_TOKENS = 20
+NUM_TOKENS = 60
 PREFIX = "The lighthouse keeper climbed the winding stairs every evening, lit the lamp, and watched"
 
 
@@ -38,19 +39,10 @@ CASES = [  # two share a prefix of more than a block, so the warm cache serves o
     Case("Hello", 5, {"temperature": 1.5}),
     Case("Once upon a time in a small village", 6, {"temperature": 0.9, "top_p": 0.9}),
     Case("日本語と絵文字 🦙", 7, {"temperature": 1.0, "top_k": 500}),
+    Case("日本語と絵文字 🦙", 3, {"temperature": 1.0}),  # inverse-CDF sampling parted at token 22 in a batch
     Case(PREFIX, 2**63 - 1, {"temperature": 1.2, "top_k": 2000, "top_p": 0.95}),
 ]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where do the ships go?"}]
-
-
-@pytest.fixture(scope="module")
-def flat_checkpoint(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(99)
-    directory = tmp_path_factory.mktemp("flat-gpt2")
-    GPT2LMHeadModel(GPT2Config(**{**TINY, "initializer_range": 0.02})).eval().save_pretrained(directory)
-    return directory
 
 
 def serve(mode: str, checkpoint, tmp_path_factory, **settings: str):
@@ -118,20 +110,21 @@ def metric(url: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(flat_checkpoint, tmp_path_factory) -> Reference:
+def reference(tiny_checkpoint, tmp_path_factory) -> Reference:
     settings = {"PREFIX_CACHE": "off", "MAX_BATCH_TOKENS": "13", "KV_CACHE_BLOCKS": "512"}
-    with serve("nobatch", flat_checkpoint, tmp_path_factory, **settings) as url:
+    with serve("nobatch", tiny_checkpoint, tmp_path_factory, **settings) as url:
         ref = Reference([inference(url, c) for c in CASES], [chat(url, s) for s in (1, 2)])
-        # near uniform: no token twice in a completion, and no completion the same as another
-        assert all(len(set(t)) == NUM_TOKENS for t in ref.tokens) and ref.chats[0] != ref.chats[1]
+        # sampled, not a greedy walk: every completion its own, over many tokens
+        assert len({tuple(t) for t in ref.tokens}) == len(CASES) and ref.chats[0] != ref.chats[1]
+        assert len({token for t in ref.tokens for token in t}) > len(CASES) * NUM_TOKENS // 2
         # the nobatch server's other endpoints, each request still alone
         assert [completion(url, c, stream=False)[0] for c in CASES] == [TOKENIZER.decode(t) for t in ref.tokens]
         assert [completion(url, c, stream=True)[0] for c in CASES] == [TOKENIZER.decode(t) for t in ref.tokens]
     return ref
 
 
-def test_dynamic_alone_batched_and_from_a_warm_cache(flat_checkpoint, tmp_path_factory, reference):
-    with serve("dynamic", flat_checkpoint, tmp_path_factory, KV_CACHE_BLOCKS="2048") as url:
+def test_dynamic_alone_batched_and_from_a_warm_cache(tiny_checkpoint, tmp_path_factory, reference):
+    with serve("dynamic", tiny_checkpoint, tmp_path_factory, KV_CACHE_BLOCKS="2048") as url:
         assert [inference(url, c) for c in CASES] == reference.tokens  # alone; the cache fills as they go
         hits = metric(url, "gpt2_prefix_cache_hit_tokens")
         for _ in range(2):  # everything at once, from a warm cache
@@ -142,9 +135,9 @@ def test_dynamic_alone_batched_and_from_a_warm_cache(flat_checkpoint, tmp_path_f
         assert two == [TOKENIZER.decode(inference(url, CASES[2]._replace(seed=CASES[2].seed + j))) for j in (0, 1)]
 
 
-def test_static_with_a_tiny_pool_and_budget_preempts_and_keeps_the_tokens(flat_checkpoint, tmp_path_factory, reference):
-    # 20 blocks of 4 tokens, which the longest request needs half of: requests are preempted and recomputed
-    settings = {"KV_CACHE_BLOCKS": "20", "BLOCK_SIZE": "4", "MAX_BATCH_TOKENS": "7", "STATIC_BATCH_WAIT_S": "0.5"}
-    with serve("static", flat_checkpoint, tmp_path_factory, **settings) as url:
+def test_static_with_a_tiny_pool_and_budget_preempts_and_keeps_the_tokens(tiny_checkpoint, tmp_path_factory, reference):
+    # 32 blocks of 4 tokens, of which the longest request needs 22: requests are preempted and recomputed
+    settings = {"KV_CACHE_BLOCKS": "32", "BLOCK_SIZE": "4", "MAX_BATCH_TOKENS": "7", "STATIC_BATCH_WAIT_S": "0.5"}
+    with serve("static", tiny_checkpoint, tmp_path_factory, **settings) as url:
         check_against(reference, every_request(url))
         assert metric(url, "gpt2_preemptions") > 0
