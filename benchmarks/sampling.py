@@ -28,6 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: its default)")
     return parser.parse_args()
 
 
@@ -55,6 +56,8 @@ def time_stage(batch: int, steps: int, params: SamplingParams, device: torch.dev
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p, seed=1, max_tokens=1000)
     print(f"sample stage, {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("batch  median_ms  q1_ms  q3_ms")

@@ -1,12 +1,13 @@
 """The sampling noise: a pure function of (seed, position, token id), computed for a whole batch at once.
 
 A generator's stream gives a token the draw of however many calls came before it; here each
-token's exponential E is a counter-based hash of its key, so the same request draws the same
+token's exponential E = -log u is a counter-based hash of its key, so the same request draws the same
 noise for the same token whatever else shares the batch, however its prompt was chunked, whether
 its prefix came from the cache or it was preempted and recomputed. No per-row generator and no
 per-row tensor work: each row's key is splitmix64 of (seed, position) on the host, sent with the
-row's other settings; the noise is one pass of int32 tensor operations over [N, V] (Wellons'
-lowbias32 of the row's key and the token's hash), on whatever device the logits are.
+row's other settings; the noise is one pass of int32 tensor operations over [N, V] (the last
+round and a half of Wellons' lowbias32 over the row's key xor the token's lowbias32), on
+whatever device the logits are.
 
 Torch has no unsigned 32-bit arithmetic everywhere we support, so the hash runs on signed int32:
 * and ^ wrap modulo 2**32 (two's complement, as on every CPU and GPU torch runs on:
@@ -15,6 +16,7 @@ so every right shift is masked to the bits a logical shift would keep.
 """
 
 import functools
+import sys
 
 import torch
 
@@ -29,14 +31,12 @@ def _signed(value: int, bits: int) -> int:
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 _MIX64 = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+assert sys.byteorder == "little", "the noise reads int32 halves as int16 pairs, low half first"
+_MANTISSA_BITS = 23  # float32's
+_ONE_AS_INT32 = 0x3F800000  # 1.0's float32 bits
 # lowbias32 (Chris Wellons' hash-prospector), and the 32-bit golden ratio that spreads token ids
 _GOLDEN32 = _signed(0x9E3779B9, 32)
 _MIX32 = (_signed(0x7FEB352D, 32), _signed(0x846CA68B, 32))
-
-
-def _shift_right(x: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
-    """Logical right shift of a signed integer tensor of `bits` bits."""
-    return (x >> shift).bitwise_and_((1 << (bits - shift)) - 1)
 
 
 def _splitmix64(x: int) -> int:
@@ -53,33 +53,45 @@ def row_key(seed: int, position: int) -> int:
     return _signed(_splitmix64(_splitmix64(seed) + position), 32)
 
 
-def _lowbias32_(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """lowbias32 of an int32 tensor, in place, but for its last xorshift: that one only mixes the high
-    bits into the low ones, and the uniforms are taken from the high bits. `scratch`: a buffer of
-    x's shape for the shifted copies (the [N, V] noise is the sampler's largest tensor: every
-    allocation of it costs page faults on a CPU)."""
-    for shift, multiplier in zip((16, 15), _MIX32):
-        scratch = torch.bitwise_right_shift(x, shift, out=scratch)
-        x ^= scratch.bitwise_and_((1 << (32 - shift)) - 1)  # a logical shift's bits
-        x *= multiplier
+def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """x ^= x >>> shift on int32, in place; `scratch`, x's shape, takes the shifted copy (the [N, V] noise is
+    the sampler's largest tensor: every allocation of one costs page faults on a CPU)."""
+    scratch = torch.bitwise_right_shift(x, shift, out=scratch)
+    x ^= scratch.bitwise_and_((1 << (32 - shift)) - 1)  # a logical shift's bits
+    return x
+
+
+def _xorshift16_(x: torch.Tensor) -> torch.Tensor:
+    """x ^= x >>> 16 on int32, in place and with no shifted copy: the low 16 bits ^= the high 16 bits,
+    through x's int16 halves (low half first: little-endian, as every device torch runs on)."""
+    halves = x.view(torch.int16).unflatten(-1, (-1, 2))  # [..., n, 2]
+    halves[..., 0] ^= halves[..., 1]
     return x
 
 
 @functools.lru_cache(maxsize=8)
 def _token_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:  # [V] int32, made once per device
-    tokens = torch.arange(vocab_size, dtype=torch.int32, device=device)
-    x = _lowbias32_(tokens * _GOLDEN32)
-    return x ^ _shift_right(x, 16, 32)  # lowbias32 whole: these bits are mixed again with the row's key
+    """lowbias32 of each token id times the golden ratio."""
+    x = torch.arange(vocab_size, dtype=torch.int32, device=device) * _GOLDEN32
+    for shift, multiplier in zip((16, 15), _MIX32):
+        _xorshift_(x, shift).mul_(multiplier)
+    return _xorshift_(x, 16)
 
 
-def log_exponentials(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N] int32 -> [N, V] float32
-    """log E for every row and token, E ~ Exp(1) a pure function of (row key, token id)."""
-    bits = keys.unsqueeze(1) ^ _token_hashes(vocab_size, keys.device)  # [N, V] int32
-    scratch = torch.empty_like(bits)  # [N, V] int32
-    _lowbias32_(bits, scratch)
-    # the top 23 bits as a signed integer i in [-2**22, 2**22); w = (i + 2**22 + 0.5) / 2**23 is uniform
-    # in (0, 1), and -w = -i / 2**23 - (1/2 + 1/2**24) is exact in float32
-    torch.bitwise_right_shift(bits, 9, out=scratch)
-    minus_w = torch.mul(scratch, -(2.0**-23), out=bits.view(torch.float32)).sub_(0.5 + 2.0**-24)  # [N, V], over bits
-    # E = -log(1 - w): log1p keeps E's relative precision where it is small, where the race is won
-    return minus_w.log1p_().neg_().log_()  # [N, V] float32
+def log_uniforms(keys: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """log u for every row and token, u uniform on (0, 1) a pure function of (row key, token id); -log u is
+    the exponential E of the race. [N] int32 keys -> [N, V] float32, in `out` (overwritten) when given:
+    on a CPU every fresh [N, V] tensor costs its page faults."""
+    bits = None if out is None else out.view(torch.int32)
+    # Both halves are mixed already (splitmix64, lowbias32): lowbias32's last round and a half mixes them
+    # together (the first xorshift, which brings an input's high bits down, their mixing has done),
+    # its middle shift 16 rather than 15, which needs no shifted copy of the [N, V] bits.
+    bits = torch.bitwise_xor(keys.unsqueeze(1), _token_hashes(vocab_size, keys.device), out=bits)  # [N, V]
+    _xorshift16_(bits.mul_(_MIX32[0])).mul_(_MIX32[1])
+    # The top 23 bits j as the mantissa of a float in [1, 2): f = 1 + j / 2**23, in integer operations
+    # and a view (a conversion of the integers to float costs several times more on a CPU). Then
+    # u = f - (1 - 2**-24) = (j + 1/2) / 2**23, exact, uniform on (0, 1), never 0 or 1.
+    bits >>= 32 - _MANTISSA_BITS
+    bits.bitwise_and_((1 << _MANTISSA_BITS) - 1).bitwise_or_(_ONE_AS_INT32)  # logical shift; 1.0's exponent
+    u = bits.view(torch.float32).sub_(1 - 2.0 ** -(_MANTISSA_BITS + 1))  # [N, V]
+    return u.log_()  # < 0; exact u keeps -log u's precision where it is small, where the race is won

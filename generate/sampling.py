@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from generate.noise import log_exponentials, row_key
+from generate.noise import log_uniforms, row_key
 
 
 class SamplingRow(NamedTuple):
@@ -52,6 +52,7 @@ class SamplingTensors:
     top_p: torch.Tensor  # [N] float32
     noise_key: torch.Tensor  # [N] int32: (seed, position) mixed, see generate/noise.py
     all_greedy: bool
+    any_greedy: bool
     k_max: int  # largest top-k in use, capped at the vocabulary; 0: no row uses top-k
     nucleus_rows: torch.Tensor | None  # [n] rows with top_p < 1; None: none
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, values; None: no row has any
@@ -67,7 +68,7 @@ class SamplingTensors:
         prompt = [(i, token) for i in penalised if rows[i].repetition_penalty != 1 for token in rows[i].prompt_ids]
         pack = _HostPack()
         fields = {name: pack.add([getattr(row, name) for row in rows]) for name in _ROW_FIELDS}
-        keys = pack.add([row_key(row.seed, row.position) if row.temperature > 0 else 0 for row in rows])
+        keys = pack.add([row_key(row.seed, row.position) for row in rows])
         parts = [pack.add(list(chain.from_iterable(x))) for x in (bias, output, prompt)] + [pack.add(nucleus)]
         packed = pack.copy_to(device)
         get = lambda part: packed[part]
@@ -87,6 +88,7 @@ class SamplingTensors:
             top_p=get(fields["top_p"]).float(),
             noise_key=get(keys).int(),
             all_greedy=all(row.temperature == 0 for row in rows),
+            any_greedy=any(row.temperature == 0 for row in rows),
             k_max=min(max((row.top_k for row in rows), default=0), vocab_size),
             nucleus_rows=nucleus_t.long() if nucleus else None,
             bias=(bias_t[:, 0].long(), bias_t[:, 1].long(), bias_t[:, 2].float()) if bias else None,
@@ -131,21 +133,24 @@ def _count(pairs: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits [N, V] float32 -> [N] long
-    """An exponential race over the tokens top-k and top-p keep: argmax(logits / T - log E), E ~ Exp(1)
-    keyed by (seed, position, token), is a draw from softmax(logits / T), and it changes only where two
-    candidates are within the logits' rounding of each other. Taken as argmax(logits - T log E), so
-    a greedy row (T = 0) is the argmax of its logits in the same pass."""
+    """An exponential race over the tokens top-k and top-p keep: argmax(p / E), p = softmax(logits / T)
+    and E = -log u ~ Exp(1) keyed by (seed, position, token), is a draw from p, and it changes only
+    where two candidates are within the logits' rounding of each other. Greedy rows take the argmax."""
     logits = adjust_logits(logits, t)
+    greedy = logits.argmax(dim=-1) if t.any_greedy else None  # [N]
     if t.all_greedy:
-        return logits.argmax(dim=-1)
+        return greedy
     if t.k_max:
         logits = _mask_top_k(logits, t.top_k, t.k_max)
-    if t.nucleus_rows is not None:  # only these rows pay for a softmax and a full sort
+    if t.nucleus_rows is not None:  # only these rows pay for a full sort
         rows = t.nucleus_rows
         logits = logits.index_copy(0, rows, _mask_top_p(logits[rows], t.temperature[rows], t.top_p[rows]))
-    log_e = log_exponentials(t.noise_key, logits.shape[1])  # [N, V]
-    scores = torch.addcmul(logits, t.temperature.unsqueeze(1), log_e, value=-1, out=log_e)  # [N, V], over log_e
-    return scores.argmax(dim=-1)  # [N]
+    scaled = logits / t.temperature.clamp(min=1e-5).unsqueeze(1)  # [N, V]
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    log_u = log_uniforms(t.noise_key, logits.shape[1], out=scaled)  # [N, V], over scaled
+    # p / E = -p / log u: the winner has the most negative p / log u (a masked token's is 0)
+    drawn = probs.div_(log_u).argmin(dim=-1)  # [N]
+    return drawn if greedy is None else torch.where(t.temperature == 0, greedy, drawn)
 
 
 def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from generate.noise import log_exponentials, row_key
+from generate.noise import log_uniforms, row_key
 from generate.sampler import Sampler
 from generate.sampling import SamplingRow, SamplingTensors, adjust_logits, sample
 from generate.sequence import SamplingParams, Sequence
@@ -237,9 +237,10 @@ def test_a_small_change_of_the_logits_seldom_changes_a_token(temperature: float,
     assert len(set(tokens.tolist())) > 190  # the draws are spread over the vocabulary
 
 
-def python_log_exponential(seed: int, position: int, token: int) -> float:
+def python_log_uniform(seed: int, position: int, token: int) -> float:
     """The noise's definition in plain Python integers (unsigned, masked): splitmix64 of (seed, position),
-    lowbias32 of the token, lowbias32 but its last xorshift of both, the top 23 bits as a uniform."""
+    lowbias32 of the token, lowbias32's last round and a half of both (its middle shift 16), the top 23
+    bits as a uniform."""
     mask64, mask32 = (1 << 64) - 1, (1 << 32) - 1
 
     def splitmix64(x: int) -> int:
@@ -248,15 +249,16 @@ def python_log_exponential(seed: int, position: int, token: int) -> float:
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask64
         return x ^ (x >> 31)
 
-    def lowbias32_but_last(x: int) -> int:
+    def lowbias32(x: int) -> int:
         x = ((x ^ (x >> 16)) * 0x7FEB352D) & mask32
-        return ((x ^ (x >> 15)) * 0x846CA68B) & mask32
+        x = ((x ^ (x >> 15)) * 0x846CA68B) & mask32
+        return x ^ (x >> 16)
 
     key = splitmix64((splitmix64(seed) + position) & mask64) & mask32
-    spread = lowbias32_but_last((token * 0x9E3779B9) & mask32)
-    bits = lowbias32_but_last(key ^ spread ^ (spread >> 16))
-    w = (((bits >> 9) + 2**22) % 2**23 + 0.5) / 2**23  # the top 23 bits, offset by half their range
-    return math.log(-math.log1p(-w))
+    bits = ((key ^ lowbias32((token * 0x9E3779B9) & mask32)) * 0x7FEB352D) & mask32
+    bits = ((bits ^ (bits >> 16)) * 0x846CA68B) & mask32
+    u = ((bits >> 9) + 0.5) / 2**23  # the top 23 bits
+    return math.log(u)
 
 
 def test_the_noise_is_the_hash_its_definition_gives_on_this_machine() -> None:
@@ -264,17 +266,17 @@ def test_the_noise_is_the_hash_its_definition_gives_on_this_machine() -> None:
     # any machine where they do not gives other noise, and fails here.
     cases = [(0, 0), (1, 5), (2**63 - 1, 2**31 - 1), (12345678901234567, 100_000), (2**40 + 3, 7)]
     keys = torch.tensor([row_key(seed, position) for seed, position in cases], dtype=torch.int32)
-    noise = log_exponentials(keys, 50257)  # [5, V]
+    noise = log_uniforms(keys, 50257)  # [5, V]
     for row, (seed, position) in enumerate(cases):
         for token in (0, 1, 2, 31337, 50256):
-            assert noise[row, token].item() == pytest.approx(python_log_exponential(seed, position, token), rel=1e-6)
+            assert noise[row, token].item() == pytest.approx(python_log_uniform(seed, position, token), rel=1e-6)
 
 
-def test_the_noise_is_exponential_and_independent_of_its_neighbours() -> None:
+def test_the_noise_is_uniform_and_independent_of_its_neighbours() -> None:
     keys = torch.tensor([row_key(seed, position) for seed in range(4) for position in range(16)], dtype=torch.int32)
-    e = log_exponentials(keys, 50257).double().exp()  # [64, V]
-    assert torch.isfinite(e).all() and (e > 0).all()
-    u = torch.exp(-e).flatten()  # uniform on (0, 1) if E ~ Exp(1)
+    log_u = log_uniforms(keys, 50257).double()  # [64, V]
+    assert torch.isfinite(log_u).all() and (log_u < 0).all()  # E = -log u in (0, inf)
+    u = log_u.exp().flatten()
     sorted_u = u.sort().values
     ks = (sorted_u - torch.arange(1, len(u) + 1, dtype=torch.float64) / len(u)).abs().max().item()
     assert ks < 1.95 / math.sqrt(len(u))  # Kolmogorov-Smirnov at 0.1 %
