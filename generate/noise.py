@@ -53,11 +53,9 @@ def row_key(seed: int, position: int) -> int:
     return _signed(_splitmix64(_splitmix64(seed) + position), 32)
 
 
-def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """x ^= x >>> shift on int32, in place; `scratch`, x's shape, takes the shifted copy (the [N, V] noise is
-    the sampler's largest tensor: every allocation of one costs page faults on a CPU)."""
-    scratch = torch.bitwise_right_shift(x, shift, out=scratch)
-    x ^= scratch.bitwise_and_((1 << (32 - shift)) - 1)  # a logical shift's bits
+def _xorshift_(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """x ^= x >>> shift on int32, in place."""
+    x ^= (x >> shift).bitwise_and_((1 << (32 - shift)) - 1)  # a logical shift's bits
     return x
 
 
