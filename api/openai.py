@@ -20,6 +20,7 @@ from api.structured import compiled, guided, one_constraint
 from api.validation import bad
 from batching.inference import Delta, Inference
 from generate.sequence import SamplingParams, TokenLogprobs
+from model.tokenizer import encode_prompt
 
 routes = Blueprint("openai", __name__)
 
@@ -64,7 +65,7 @@ def _prompts(prompt: str | list, srv: Server) -> tuple[list[list[int]], list[str
     items = prompt if many else [prompt]
     if any(isinstance(p, list) and not all(0 <= t < vocab for t in p) for p in items):
         raise bad(f"'prompt' token ids must be from 0 to {vocab - 1}", "prompt")
-    ids = [srv.tokenizer.encode(p, disallowed_special=()) if isinstance(p, str) else p for p in items]
+    ids = [encode_prompt(srv.tokenizer, p) if isinstance(p, str) else p for p in items]
     texts = [p if isinstance(p, str) else srv.tokenizer.decode(p) for p in items]
     return ids, texts
 

@@ -8,6 +8,7 @@ from api.serving import check_fits, server, submit, wait
 from api.validation import bad, boolean, integer, json_object, known_fields, number, optional_seed
 from batching.inference import Inference
 from generate.sequence import SamplingParams
+from model.tokenizer import encode_prompt
 
 routes = Blueprint("inference", __name__)
 
@@ -36,7 +37,7 @@ def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams]:
 def inference():
     srv = server()
     prompt, params = parse_inference(request.get_json(silent=True), srv.engine.max_context)
-    prompt_ids = srv.tokenizer.encode(prompt, disallowed_special=())
+    prompt_ids = encode_prompt(srv.tokenizer, prompt)
     check_fits(srv, len(prompt_ids), params.max_tokens, "num_tokens")
     inf = wait(srv, submit(srv, Inference(prompt_ids, params)))
     text = srv.tokenizer.decode(inf.generated_ids)

@@ -7,6 +7,7 @@ from api.chat import parse_messages
 from api.openai_params import check_model
 from api.serving import server
 from api.validation import bad, boolean, json_object, known_fields
+from model.tokenizer import encode_prompt
 
 routes = Blueprint("tokenize", __name__)
 
@@ -28,11 +29,12 @@ def tokenize():
                 "add_generation_prompt",
             )
         text = parse_messages(body["messages"], srv.chat_template)
+        # message content is text, as /v1/chat/completions reads it
+        tokens = srv.tokenizer.encode(text, disallowed_special=())
     elif isinstance(body["prompt"], str):
-        text = body["prompt"]
+        tokens = encode_prompt(srv.tokenizer, body["prompt"])
     else:
         raise bad("'prompt' must be a string", "prompt")
-    tokens = srv.tokenizer.encode(text, disallowed_special=())
     return jsonify(tokens=tokens, count=len(tokens), max_model_len=srv.engine.max_context)
 
 

@@ -17,7 +17,7 @@ from generate.step_log import StageClock, StepLog, StepRecord
 from kvcache.block_manager import BlockManager
 from kvcache.pool_size import pool_blocks
 from model.loader import load_model
-from model.tokenizer import load_tokenizer
+from model.tokenizer import encode_prompt, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ class Engine:
         """Generate for every prompt (token ids or text) through the scheduler; completions in order."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         tokenizer = load_tokenizer() if any(isinstance(p, str) for p in prompts) else None
-        seqs = [Sequence(tokenizer.encode(p) if isinstance(p, str) else list(p), sp) for p, sp in zip(prompts, params)]
+        ids = [encode_prompt(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
+        seqs = [Sequence(prompt, sp) for prompt, sp in zip(ids, params)]
         for seq in seqs:
             self.add(seq)
         while self.has_work():

@@ -70,7 +70,7 @@ def _layout(seqs: list[Sequence]) -> tuple[list[int], list[int]]:
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:
-    """A sequence's settings for this step; draws its uniform from its own generator when it samples."""
+    """A sequence's settings for this step; its noise is keyed by its seed and the position it draws."""
     p = seq.params
     bias = p.logit_bias
     if p.stop_at_eos and seq.num_generated < p.min_tokens:
@@ -79,7 +79,8 @@ def sampling_row(seq: Sequence) -> SamplingRow:
         temperature=p.temperature,
         top_k=p.top_k,
         top_p=p.top_p,
-        uniform=seq.rng.random() if p.temperature > 0 else 0.0,
+        seed=seq.seed,
+        position=len(seq.token_ids),
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,

@@ -1,9 +1,11 @@
 """Sampling vectorised over a batch of rows: logit bias, penalties, greedy, temperature, top-k, top-p.
 
-Every row carries its own settings and its own uniform draw (from its sequence's generator),
-so one request's settings or seed never change another's tokens. Which stages run is decided
-from the rows' settings on the host, never by reading GPU tensors, and the per-row settings
-reach the device in one copy: the only transfer back is the sampled tokens.
+Every row carries its own settings and its own noise key (its request's seed and the position of
+the token it draws), so one request's settings or seed never change another's tokens, and a token's
+draw does not depend on the batch, the chunking or the cache path that computed its logits (see
+generate/noise.py). Which stages run is decided from the rows' settings on the host, never by reading
+GPU tensors, and the per-row settings reach the device in one copy: the only transfer back is the
+sampled tokens.
 """
 
 import math
@@ -13,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from generate.noise import log_uniforms, row_key
+
 
 class SamplingRow(NamedTuple):
     """One row's settings, as the host knows them."""
@@ -20,7 +24,8 @@ class SamplingRow(NamedTuple):
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
-    uniform: float = 0.0  # in [0, 1): this row's draw (unused when greedy)
+    seed: int = 0  # in [0, 2**63): the request's (completion j of n: seed + j); with position, keys the noise
+    position: int = 0  # of the token this row draws, in its sequence (prompt included)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -45,8 +50,9 @@ class SamplingTensors:
     temperature: torch.Tensor  # [N] float32
     top_k: torch.Tensor  # [N] long
     top_p: torch.Tensor  # [N] float32
-    uniform: torch.Tensor  # [N] float64
+    noise_key: torch.Tensor  # [N] int32: (seed, position) mixed, see generate/noise.py
     all_greedy: bool
+    any_greedy: bool
     k_max: int  # largest top-k in use, capped at the vocabulary; 0: no row uses top-k
     nucleus_rows: torch.Tensor | None  # [n] rows with top_p < 1; None: none
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, values; None: no row has any
@@ -56,12 +62,13 @@ class SamplingTensors:
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingTensors":
         """All rows' settings in one host-to-device copy."""
         penalised = [i for i, row in enumerate(rows) if _has_penalties(row)]
-        nucleus = [i for i, row in enumerate(rows) if row.top_p < 1]
+        nucleus = [i for i, row in enumerate(rows) if row.top_p < 1 and row.temperature > 0]
         bias = [(i, token, value) for i, row in enumerate(rows) for token, value in row.logit_bias]
         output = [(i, token) for i in penalised for token in rows[i].output_ids]
         prompt = [(i, token) for i in penalised if rows[i].repetition_penalty != 1 for token in rows[i].prompt_ids]
         pack = _HostPack()
         fields = {name: pack.add([getattr(row, name) for row in rows]) for name in _ROW_FIELDS}
+        keys = pack.add([row_key(row.seed, row.position) for row in rows])
         parts = [pack.add(list(chain.from_iterable(x))) for x in (bias, output, prompt)] + [pack.add(nucleus)]
         packed = pack.copy_to(device)
         get = lambda part: packed[part]
@@ -79,8 +86,9 @@ class SamplingTensors:
             temperature=get(fields["temperature"]).float(),
             top_k=get(fields["top_k"]).long(),
             top_p=get(fields["top_p"]).float(),
-            uniform=get(fields["uniform"]),
+            noise_key=get(keys).int(),
             all_greedy=all(row.temperature == 0 for row in rows),
+            any_greedy=any(row.temperature == 0 for row in rows),
             k_max=min(max((row.top_k for row in rows), default=0), vocab_size),
             nucleus_rows=nucleus_t.long() if nucleus else None,
             bias=(bias_t[:, 0].long(), bias_t[:, 1].long(), bias_t[:, 2].float()) if bias else None,
@@ -89,7 +97,7 @@ class SamplingTensors:
 
 
 _PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-_ROW_FIELDS = ("temperature", "top_k", "top_p", "uniform", *_PENALTY_FIELDS)
+_ROW_FIELDS = ("temperature", "top_k", "top_p", *_PENALTY_FIELDS)
 
 
 def _has_penalties(row: SamplingRow) -> bool:
@@ -125,18 +133,24 @@ def _count(pairs: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits [N, V] float32 -> [N] long
+    """An exponential race over the tokens top-k and top-p keep: argmax(p / E), p = softmax(logits / T)
+    and E = -log u ~ Exp(1) keyed by (seed, position, token), is a draw from p, and it changes only
+    where two candidates are within the logits' rounding of each other. Greedy rows take the argmax."""
     logits = adjust_logits(logits, t)
-    greedy = logits.argmax(dim=-1)  # [N]
+    greedy = logits.argmax(dim=-1) if t.any_greedy else None  # [N]
     if t.all_greedy:
         return greedy
-    logits = logits / t.temperature.clamp(min=1e-5).unsqueeze(1)  # [N, V]
     if t.k_max:
         logits = _mask_top_k(logits, t.top_k, t.k_max)
-    probs = torch.softmax(logits, dim=-1)  # [N, V]
     if t.nucleus_rows is not None:  # only these rows pay for a full sort
         rows = t.nucleus_rows
-        probs = probs.index_copy(0, rows, _mask_top_p(probs[rows], t.top_p[rows]))
-    return torch.where(t.temperature == 0, greedy, _draw(probs, t.uniform))
+        logits = logits.index_copy(0, rows, _mask_top_p(logits[rows], t.temperature[rows], t.top_p[rows]))
+    scaled = logits / t.temperature.clamp(min=1e-5).unsqueeze(1)  # [N, V]
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    log_u = log_uniforms(t.noise_key, logits.shape[1], out=scaled)  # [N, V], over scaled
+    # p / E = -p / log u: the winner has the most negative p / log u (a masked token's is 0)
+    drawn = probs.div_(log_u).argmin(dim=-1)  # [N]
+    return drawn if greedy is None else torch.where(t.temperature == 0, greedy, drawn)
 
 
 def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -165,21 +179,14 @@ def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.
     return logits.masked_fill(logits < kth, -math.inf)
 
 
-def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
+def _mask_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens (at the row's temperature) whose mass reaches top_p;
+    the others go to -inf. [n, V] -> [n, V]"""
+    probs = torch.softmax(logits / temperature.clamp(min=1e-5).unsqueeze(1), dim=-1)  # [n, V]
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # [n, V]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, V]
-    sorted_probs[mass_before >= top_p.unsqueeze(1)] = 0  # the most likely token always stays
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-
-
-def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: the first token whose cumulative mass exceeds u * total."""
-    cdf = probs.double().cumsum(dim=-1)  # [N, V]; float64 so the tail mass is not lost
-    total = cdf[:, -1]  # [N]
-    target = torch.minimum(uniform.to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))
-    # cdf[i] > target with cdf[i-1] <= target implies probs[i] > 0: masked tokens never win
-    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [N]
+    dropped = torch.empty_like(mass_before, dtype=torch.bool).scatter_(1, order, mass_before >= top_p.unsqueeze(1))
+    return logits.masked_fill(dropped, -math.inf)  # the most likely token always stays
 
 
 def top_logprobs(

@@ -2,7 +2,6 @@
 
 import enum
 import itertools
-import random
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -21,7 +20,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
-    seed: int | None = None  # None: a fresh random seed
+    seed: int | None = None  # in [0, 2**63); None: a fresh random one, drawn when the sequence is made
     stop_at_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
@@ -81,7 +80,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" or "stop"
-    rng: random.Random = field(init=False)  # this sequence's own uniforms: one request's seed touches no other's
+    seed: int = field(init=False)  # params.seed, or drawn: keys this sequence's sampling noise with each position
     # Its constraint's state: advanced only by tokens appended, so it survives preemption and recomputation.
     matcher: "llguidance.LLMatcher | None" = field(init=False)
     # KV state, owned by the block manager and the engine
@@ -98,8 +97,7 @@ class Sequence:
     def __post_init__(self) -> None:
         assert self.token_ids, "a sequence needs at least one prompt token"
         self.num_prompt_tokens = len(self.token_ids)
-        seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
-        self.rng = random.Random(seed)
+        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
         self.matcher = self.params.constraint.matcher() if self.params.constraint is not None else None
 
     @property

@@ -26,3 +26,10 @@ def load_tokenizer() -> tiktoken.Encoding:
         mergeable_ranks=ranks,
         special_tokens={EOT_TOKEN: EOT_ID},
     )
+
+
+def encode_prompt(tokenizer: tiktoken.Encoding, text: str) -> list[int]:
+    """A text prompt's tokens, where `<|endoftext|>` is the end-of-text token (as in OpenAI's completions
+    API, whose default prompt it is, and Hugging Face's GPT-2 tokenizer): documents joined by it read as
+    they were trained. Chat message content is not a prompt: there it is text, as in OpenAI's chat API."""
+    return tokenizer.encode(text, allowed_special={EOT_TOKEN}, disallowed_special=())
