@@ -53,7 +53,7 @@ def run_baseline(
         batch = _take_batch(waiting, workload, time.perf_counter() - start, batch_size)
         step_times, generated = _generate(hf, [workload.requests[i] for i in batch], temperature, device)
         for i, row in zip(batch, generated):
-            results[i] = _result(workload.requests[i], workload.offsets[i], step_times, start)
+            results[i] = timed_result(workload.requests[i], workload.offsets[i], step_times, start)
             tokens[i] = row[: workload.requests[i].num_tokens]
     return results, time.perf_counter() - start, tokens
 
@@ -99,8 +99,9 @@ def _generate(
     return clock.times, out[:, width:].tolist()
 
 
-def _result(request: Request, offset_s: float, step_times: list[float], start: float) -> RequestResult:
-    """One request's timings: from its arrival to its own first and last token of the batch."""
+def timed_result(request: Request, offset_s: float, step_times: list[float], start: float) -> RequestResult:
+    """One request's timings: from its arrival (`offset_s` after `start`) to its own first and last token, the
+    first `request.num_tokens` of `step_times`."""
     arrived_at, mine = start + offset_s, step_times[: request.num_tokens]
     return RequestResult(
         ok=True,

@@ -16,6 +16,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks.engine_vs_transformers import to_transformers
+from client.baseline import timed_result
 from client.metrics import RequestResult
 from client.workloads import Workload
 from config import Settings
@@ -95,20 +96,9 @@ def _collect(manager: Any, count: int) -> dict[int, Any]:
 
 
 def _result(workload: Workload, i: int, output: Any, start: float) -> RequestResult:
-    request, offset = workload.requests[i], workload.offsets[i]
-    arrived_at, stamps = start + offset, output.timestamps
+    request, stamps = workload.requests[i], output.timestamps
     assert len(output.generated_tokens) == request.num_tokens == len(stamps), "not the requested length"
-    return RequestResult(
-        ok=True,
-        prompt_tokens=len(request.prompt_ids),
-        output_tokens=len(output.generated_tokens),
-        ttft_s=stamps[0] - arrived_at,
-        latency_s=stamps[-1] - arrived_at,
-        error=None,
-        requested_tokens=request.num_tokens,
-        itl_s=tuple(b - a for a, b in zip(stamps, stamps[1:])),
-        sent_s=offset,
-    )
+    return timed_result(request, workload.offsets[i], stamps, start)
 
 
 def _settings_used(hf: Any, manager: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
