@@ -6,6 +6,8 @@ Outputs are checked by independent validators (jsonschema, re.fullmatch, lark), 
 
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import lark
@@ -15,6 +17,7 @@ from test_model import make_engine, run_checked
 
 from batching.text_stream import TextStream
 from config import Settings
+from generate import constraints
 from generate.constraints import Constraint, ConstraintError, compile_constraint, compile_stats, configure
 from generate.sequence import SamplingParams, Sequence
 from model.tokenizer import EOT_ID, load_tokenizer
@@ -283,18 +286,26 @@ def test_same_constraint_compiles_once():
     assert first is second and after.cache_hits == before.cache_hits + 1 and after.compiles == before.compiles + 1
 
 
-def test_a_compile_over_the_time_limit_is_refused_and_not_cached():
-    # a choice among 1500 strings takes most of a second to compile: far over a 10 ms limit
-    constraint = Constraint("choice", json.dumps([f"option {i} of many" for i in range(1500)]))
+def test_a_compile_over_the_time_limit_is_refused_and_not_cached(monkeypatch):
+    # The compile pool's one thread is held until the test lets it go, so the compile waits behind it:
+    # over any limit on any machine, however fast the grammar compiles.
+    release = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.submit(release.wait, 60)
+    monkeypatch.setattr(constraints, "_pool", pool)
+    constraint = Constraint("regex", "[0-9]{3}-held")
     before = compile_stats()
-    configure(Settings(constraint_compile_timeout_s=0.01))
+    configure(Settings(constraint_compile_timeout_s=0.05))
     try:
         with pytest.raises(ConstraintError, match="longer than"):
             compile_constraint(constraint)
     finally:
+        release.set()
         configure(Settings())
     after = compile_stats()
     assert after.failures == before.failures + 1 and after.compiles == before.compiles
+    assert compile_constraint(constraint).constraint == constraint  # not cached as failed: compiles now
+    pool.shutdown()
 
 
 @pytest.mark.parametrize(
