@@ -43,6 +43,9 @@ class Settings:
     replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
     request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)
     timeline_window_s: float = 30.0  # /stats/timeline's latency and throughput: over this many recent seconds
+    # Overload (README "Priorities and overload"): a request's priority level is worth this many seconds of
+    # waiting (0: strict priority, which can starve); generate/priority.py
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,6 +68,8 @@ class Settings:
             raise ValueError(f"TIMELINE_WINDOW_S must be positive, got {self.timeline_window_s}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.priority_aging_s < 0:
+            raise ValueError(f"PRIORITY_AGING_S must be at least 0, got {self.priority_aging_s}")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
 

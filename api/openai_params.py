@@ -6,6 +6,7 @@ Names and ranges follow OpenAI's API reference; `top_k`, `min_tokens`, `repetiti
 
 from typing import Any, NamedTuple
 
+from api.priority import parse_priority
 from api.serving import Server
 from api.validation import bad, boolean, integer, number, optional_seed
 
@@ -31,6 +32,7 @@ SHARED_FIELDS = frozenset(
         "logit_bias",
         "min_tokens",
         "ignore_eos",
+        "priority",  # vLLM's: lower is more urgent (api/priority.py)
         "user",  # OpenAI's end-user id for abuse monitoring: accepted, and changes nothing
     }
 )
@@ -43,6 +45,7 @@ class SharedFields(NamedTuple):
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # streaming: a last event with the token counts
+    priority: int
 
 
 def parse_shared(body: dict, srv: Server) -> SharedFields:
@@ -72,6 +75,7 @@ def parse_shared(body: dict, srv: Server) -> SharedFields:
         stop=_stop_strings(body.get("stop")),
         stream=stream,
         include_usage=_include_usage(body.get("stream_options"), stream),
+        priority=parse_priority(body),
     )
 
 

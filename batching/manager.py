@@ -9,6 +9,9 @@ engine, so a comparison between them measures scheduling alone:
            admits it as soon as there is room (iteration-level batching).
 A request that asks for several completions (n, or a list of prompts) moves as one: its
 inferences enter the engine together, leader first, so forks can share its prompt.
+Priorities: dynamic mode hands them to the scheduler, which admits and preempts by them; nobatch
+and static take the most urgent requests first (the same rank, generate/priority.py) but never
+stop a running batch for one.
 """
 
 import logging
@@ -24,6 +27,7 @@ from batching.stats import Stats
 from batching.step_summary import StepSummary, summarize
 from config import Settings
 from generate.engine import Engine, StepResult
+from generate.priority import Rank
 from generate.sequence import Status
 from generate.step_log import StepRecord
 
@@ -140,6 +144,7 @@ class BatchingManager:
             elif self.mode == "dynamic":
                 count = len(self._incoming)
             elif self.mode == "nobatch":
+                self._rank_incoming()
                 count = 1
             else:
                 count = self._gather_static_batch()
@@ -170,8 +175,15 @@ class BatchingManager:
             self._apply_cancellations()
             if not self._incoming:
                 return 0
+        self._rank_incoming()
         sizes = accumulate(len(request) for request in self._incoming)
         return max(1, sum(1 for size in sizes if size <= limit))
+
+    def _rank_incoming(self) -> None:
+        """nobatch and static: the queue in rank order (a stable sort: equal ranks keep arrival order)."""
+        aging = self.settings.priority_aging_s
+        rank = lambda request: Rank.of(request[0].priority, request[0].arrival, 0, aging)  # noqa: E731
+        self._incoming = deque(sorted(self._incoming, key=rank))
 
     def _apply_cancellations(self) -> None:
         for inf in self._cancelled:
