@@ -80,10 +80,11 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.get("/health")
     def health():
-        """Alive: the model is loaded and the loop runs, however busy it is."""
+        """Alive: the model is loaded and the loop runs and makes progress, however busy it is."""
         body = {"model": engine.model_name, "random_weights": engine.is_random, "mode": settings.mode}
-        if not manager.ready:
-            return jsonify(status="unavailable", reason=manager.failure, **body), 503
+        problem = manager.health_problem()
+        if problem:
+            return jsonify(status="unavailable", reason=problem, **body), 503
         return jsonify(status="ok", **body)
 
     @app.get("/ready")

@@ -46,6 +46,9 @@ class Settings:
     # Overload (README "Priorities and overload"): a request's priority level is worth this many seconds of
     # waiting (0: strict priority, which can starve); generate/priority.py
     priority_aging_s: float = 10.0
+    engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
+    engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
+    fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,6 +71,8 @@ class Settings:
             raise ValueError(f"TIMELINE_WINDOW_S must be positive, got {self.timeline_window_s}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.engine_stall_s <= 0 or self.engine_first_step_s <= 0:
+            raise ValueError("ENGINE_STALL_S and ENGINE_FIRST_STEP_S must be positive")
         if self.priority_aging_s < 0:
             raise ValueError(f"PRIORITY_AGING_S must be at least 0, got {self.priority_aging_s}")
         if self.block_size < 1 or self.max_batch_size < 1:

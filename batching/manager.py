@@ -21,6 +21,7 @@ from collections import deque
 from itertools import accumulate
 
 from batching.events import PHASE_AFTER, EventLog
+from batching.heartbeat import Heartbeat
 from batching.inference import Delta, Inference
 from batching.metrics import ServerMetrics
 from batching.stats import Stats
@@ -56,6 +57,8 @@ class BatchingManager:
         self.failure: str | None = None
         self._stop_at: float | None = None  # set by shut_down()
         self.cache_problem: str | None = None  # from the last idle-time integrity check
+        self.heartbeat = Heartbeat(settings.engine_stall_s, settings.engine_first_step_s)
+        self._hang = threading.Event()  # FAULT_HANG_AT_STEP: the hung step waits for this (set at shutdown)
         self._cond = threading.Condition()
         self._incoming: deque[tuple[Inference, ...]] = deque()  # requests; guarded by _cond
         self._num_incoming = 0  # inferences in _incoming, read without the lock
@@ -71,8 +74,15 @@ class BatchingManager:
     def ready(self) -> bool:
         return self.failure is None and self._stop_at is None and self._thread.is_alive()
 
+    def health_problem(self) -> str | None:
+        """Why this server cannot serve (its loop died, is stopping, or is stuck in a step), or None."""
+        if not self.ready:
+            return self.failure or "shutting down"
+        return self.heartbeat.stalled(self._num_incoming + self.num_waiting() + self.num_running())
+
     def shut_down(self, grace_s: float) -> None:
         """Take no new requests; those not finished within `grace_s` are answered with an error."""
+        self._hang.set()
         with self._cond:
             self._stop_at = time.monotonic() + grace_s
             self._cond.notify()
@@ -138,6 +148,7 @@ class BatchingManager:
                 self.stats.mark_busy(False)
                 self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())
                 self._apply_cancellations()
+                self.heartbeat.wake()
             self.stats.mark_busy(True)
             if not self._incoming or (self.mode != "dynamic" and engine.has_work()):
                 count = 0  # nobatch and static: nothing joins a running batch
@@ -202,11 +213,14 @@ class BatchingManager:
         self._cancelled.clear()
 
     def _step(self) -> None:
+        if self.settings.fault_hang_at_step == self.engine.num_steps + 1:
+            self._hang.wait()  # fault injection, for tests of /health: this step hangs until shutdown
         results = self.engine.step()
         if not results:
             return
         started = time.perf_counter()
         step = self.engine.step_log.last
+        self.heartbeat.step_done(step.duration_s)
         if self.engine.scheduler.num_preemptions != self._preemptions_seen:
             self._record_preemptions(step)
         self._deliver(results, step)
