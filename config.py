@@ -48,6 +48,8 @@ class Settings:
     priority_aging_s: float = 10.0
     engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
     engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
+    max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
+    ttft_target_s: float = 0.0  # refuse (429) a request that could not start within this; 0: off
     fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
 
     def __post_init__(self) -> None:
@@ -73,6 +75,8 @@ class Settings:
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.engine_stall_s <= 0 or self.engine_first_step_s <= 0:
             raise ValueError("ENGINE_STALL_S and ENGINE_FIRST_STEP_S must be positive")
+        if self.max_waiting_tokens < 0 or self.ttft_target_s < 0:
+            raise ValueError("MAX_WAITING_TOKENS and TTFT_TARGET_S must be at least 0 (0: off)")
         if self.priority_aging_s < 0:
             raise ValueError(f"PRIORITY_AGING_S must be at least 0, got {self.priority_aging_s}")
         if self.block_size < 1 or self.max_batch_size < 1:

@@ -121,6 +121,7 @@ def server_stats(manager: "BatchingManager") -> dict:
         "prefix_cache": manager.settings.prefix_cache,
         "kv_cache_integrity": manager.cache_problem or "ok",
         **live_values(manager),
+        "requests_refused": manager.admission.counts(),  # by reason (batching/admission.py)
         "recent_steps": manager.step_summary().as_stats(),
         **manager.stats.snapshot(),
     }

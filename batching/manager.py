@@ -20,6 +20,7 @@ import time
 from collections import deque
 from itertools import accumulate
 
+from batching.admission import Admission, Refused
 from batching.events import PHASE_AFTER, EventLog
 from batching.heartbeat import Heartbeat
 from batching.inference import Delta, Inference
@@ -35,8 +36,7 @@ from generate.step_log import StepRecord
 log = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
-    """More requests are waiting than MAX_WAITING allows."""
+QueueFull = Refused  # more requests waiting than MAX_WAITING allows, or another reason (batching/admission.py)
 
 
 class NotServing(Exception):
@@ -47,6 +47,7 @@ class BatchingManager:
     def __init__(self, engine: Engine, settings: Settings):
         self.engine, self.settings, self.mode = engine, settings, settings.mode
         self.stats = Stats()
+        self.admission = Admission(settings)
         self.metrics = ServerMetrics(self)
         self.events = EventLog(settings.request_event_log_size)
         self.started_at = time.time()  # Unix time, for rates over windows that reach back past the start
@@ -92,8 +93,9 @@ class BatchingManager:
         with self._cond:
             if not self.ready:  # checked under the lock that _fail_everything takes
                 raise NotServing(self.failure or ("shutting down" if self._stop_at else "the loop is not running"))
-            if self.num_waiting() >= self.settings.max_waiting:
-                raise QueueFull(f"{self.settings.max_waiting} requests are already waiting")
+            queued = [(inf.priority, len(inf.prompt_ids)) for request in self._incoming for inf in _prompts(request)]
+            tokens = sum(len(inf.prompt_ids) for inf in _prompts(infs))
+            self.admission.check(tokens, infs[0].priority, self.num_waiting(), queued)
             self._incoming.append(infs)
             self._num_incoming += len(infs)
             for inf in infs:
@@ -161,6 +163,7 @@ class BatchingManager:
                 count = self._gather_static_batch()
             for _ in range(count):
                 self._start(self._incoming.popleft())
+            self.admission.publish(engine.scheduler.waiting, engine.scheduler.running)
 
     def _start(self, request: tuple[Inference, ...]) -> None:
         self._num_incoming -= len(request)
@@ -221,6 +224,7 @@ class BatchingManager:
         started = time.perf_counter()
         step = self.engine.step_log.last
         self.heartbeat.step_done(step.duration_s)
+        self.admission.observe_step(step.num_prefill_tokens, step.duration_s)
         if self.engine.scheduler.num_preemptions != self._preemptions_seen:
             self._record_preemptions(step)
         self._deliver(results, step)
@@ -300,3 +304,8 @@ class BatchingManager:
         for inf in pending:
             if not inf.done.is_set():
                 self._answer(inf, error=reason)
+
+
+def _prompts(request: tuple[Inference, ...]) -> list[Inference]:
+    """A request's inferences that compute their prompt: all but forks, which share their leader's."""
+    return [inf for inf in request if inf.seq.fork_of is None]

@@ -70,6 +70,10 @@ class _LiveValues(Collector):
             if value.metric:
                 family = GaugeMetricFamily if value.kind == "gauge" else CounterMetricFamily
                 yield family(value.metric, value.help, value=value.read(self.manager))
+        refused = CounterMetricFamily("gpt2_requests_refused", "Requests refused at admission", labels=["reason"])
+        for reason, count in self.manager.admission.counts().items():
+            refused.add_metric([reason], count)
+        yield refused
         yield from _recent_steps(self.manager.step_summary())
 
 
