@@ -6,11 +6,14 @@ import logging
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import chat, dashboard, openai, simple, tokenize
+from api import batches, chat, dashboard, openai, simple, tokenize
 from api.chat_template import ChatTemplate
 from api.json_body import StrictJSONProvider, require_json
+from api.priority import PRIORITY_LIMIT
 from api.serving import Server
 from api.validation import ApiError
+from batching.batch_jobs import BatchJobs
+from batching.batch_store import BatchStore
 from batching.live import server_stats
 from batching.manager import BatchingManager
 from config import Settings
@@ -38,8 +41,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json = StrictJSONProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["server"] = Server(settings, engine, manager, load_tokenizer(), template)
-    for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes, dashboard.routes):
+    for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes, dashboard.routes, batches.routes):
         app.register_blueprint(blueprint)
+    app.extensions["batch_jobs"] = _batch_jobs(app, settings, manager)
 
     @app.errorhandler(ApiError)
     def api_error(err: ApiError):
@@ -60,7 +64,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.before_request
     def require_json_posts():
-        if request.method == "POST" and request.routing_exception is None:  # a 404 or 405 stays one
+        if request.method == "POST" and request.routing_exception is None and not batches.non_json_post(request.path):
             require_json(request.is_json, request.content_type)
 
     @app.after_request
@@ -95,3 +99,19 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify(status="ready")
 
     return app
+
+
+def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager) -> BatchJobs:
+    """The Batch API's runner: each request goes through the app's own endpoint, at the lowest priority."""
+    client = app.test_client(use_cookies=False)
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+
+    def send(endpoint: str, body: dict) -> tuple[int, dict]:
+        response = client.post(endpoint, json=body, headers=headers)
+        return response.status_code, response.get_json(silent=True)
+
+    jobs = BatchJobs(
+        BatchStore(settings.data_dir), send, lambda: manager.ready, PRIORITY_LIMIT, settings.batch_in_flight
+    )
+    jobs.start()
+    return jobs
