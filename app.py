@@ -43,7 +43,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["server"] = Server(settings, engine, manager, load_tokenizer(), template)
     for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes, dashboard.routes, batches.routes):
         app.register_blueprint(blueprint)
-    app.extensions["batch_jobs"] = _batch_jobs(app, settings, manager)
 
     @app.errorhandler(ApiError)
     def api_error(err: ApiError):
@@ -98,6 +97,8 @@ def create_app(settings: Settings | None = None) -> Flask:
             return jsonify(status="busy" if manager.ready else "unavailable"), 503
         return jsonify(status="ready")
 
+    # Last: a batch resumed from DATA_DIR sends its first request at once, and the app must be complete by then.
+    app.extensions["batch_jobs"] = _batch_jobs(app, settings, manager)
     return app
 
 

@@ -34,10 +34,6 @@ def _settings() -> Settings:
     return current_app.extensions["server"].settings
 
 
-def _not_found(what: str, name: str) -> ApiError:
-    return ApiError(404, f"no {what} {name!r}", "not_found_error", param=f"{what}_id")
-
-
 @routes.post("/v1/files")
 def upload():
     limit = _settings().batch_max_file_bytes
@@ -59,18 +55,20 @@ def upload():
     return jsonify(_store().add_file(data, upload.filename or "batch.jsonl", "batch"))
 
 
+def _found(what: str, name: str, found: dict | None) -> dict:
+    if found is None:
+        raise ApiError(404, f"no {what} {name!r}", "not_found_error", param=f"{what}_id")
+    return found
+
+
 @routes.get("/v1/files/<file_id>")
 def file_info(file_id: str):
-    meta = _store().file(file_id)
-    if meta is None:
-        raise _not_found("file", file_id)
-    return jsonify(meta)
+    return jsonify(_found("file", file_id, _store().file(file_id)))
 
 
 @routes.get("/v1/files/<file_id>/content")
 def file_content(file_id: str):
-    if _store().file(file_id) is None:
-        raise _not_found("file", file_id)
+    _found("file", file_id, _store().file(file_id))
     return Response(_store().content(file_id), mimetype="application/jsonl")
 
 
@@ -104,15 +102,9 @@ def list_batches():
 
 @routes.get("/v1/batches/<batch_id>")
 def get_batch(batch_id: str):
-    batch = _jobs().get(batch_id)
-    if batch is None:
-        raise _not_found("batch", batch_id)
-    return jsonify(batch)
+    return jsonify(_found("batch", batch_id, _jobs().get(batch_id)))
 
 
 @routes.post("/v1/batches/<batch_id>/cancel")
 def cancel_batch(batch_id: str):
-    batch = _jobs().cancel(batch_id)
-    if batch is None:
-        raise _not_found("batch", batch_id)
-    return jsonify(batch)
+    return jsonify(_found("batch", batch_id, _jobs().cancel(batch_id)))

@@ -112,11 +112,16 @@ def test_a_chat_batch_and_bad_requests_to_the_api(server):
         client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
 
 
+def start_batch(client: openai.OpenAI, count: int) -> tuple[dict[str, dict], object]:
+    """A completions batch of `count` 40-token requests: their bodies by custom_id, and the batch."""
+    bodies = {f"r{i}": completion_body(i, max_tokens=40) for i in range(count)}
+    file_id = upload(client, [request(cid, body) for cid, body in bodies.items()])
+    return bodies, client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+
+
 def test_a_batch_survives_a_server_killed_mid_batch_with_nothing_lost_or_run_twice(server):
     proc, client = server(BATCH_IN_FLIGHT="2")
-    bodies = {f"r{i}": completion_body(i, max_tokens=40) for i in range(24)}
-    file_id = upload(client, [request(cid, body) for cid, body in bodies.items()])
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    bodies, batch = start_batch(client, 24)
     poll(client, batch.id, lambda b: b.request_counts.completed >= 3)
     port = int(str(client.base_url).rsplit(":", 1)[1].split("/")[0])
     os.killpg(proc.pid, signal.SIGKILL)  # no goodbye: requests in flight are simply gone
@@ -133,9 +138,7 @@ def test_a_batch_survives_a_server_killed_mid_batch_with_nothing_lost_or_run_twi
 
 def test_cancel_stops_a_batch_and_keeps_what_it_finished(server):
     _, client = server(BATCH_IN_FLIGHT="1")
-    bodies = {f"r{i}": completion_body(i, max_tokens=40) for i in range(60)}
-    file_id = upload(client, [request(cid, body) for cid, body in bodies.items()])
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    _, batch = start_batch(client, 60)
     poll(client, batch.id, lambda b: b.request_counts.completed >= 1)
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = poll(client, batch.id, lambda b: b.status == "cancelled")
