@@ -79,7 +79,7 @@ class BatchingManager:
         """Why this server cannot serve (its loop died, is stopping, or is stuck in a step), or None."""
         if not self.ready:
             return self.failure or "shutting down"
-        return self.heartbeat.stalled(self._num_incoming + self.num_waiting() + self.num_running())
+        return self.heartbeat.stalled(self.num_waiting() + self.num_running())
 
     def shut_down(self, grace_s: float) -> None:
         """Take no new requests; those not finished within `grace_s` are answered with an error."""

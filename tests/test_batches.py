@@ -145,3 +145,21 @@ def test_cancel_stops_a_batch_and_keeps_what_it_finished(server):
     assert done.cancelled_at and done.request_counts.completed < 60
     out = records(client, done.output_file_id)
     assert len(out) == done.request_counts.completed == len({r["custom_id"] for r in out})
+
+
+def test_upload_limits_are_the_batch_settings_not_the_request_body_limit(make_app, tmp_path):
+    app, manager = make_app(data_dir=str(tmp_path), batch_max_file_bytes=2 << 20, batch_max_requests=3)
+    client = app.test_client()
+
+    def post(text: str):
+        files = {"purpose": "batch", "file": (io.BytesIO(text.encode()), "requests.jsonl")}
+        return client.post("/v1/files", data=files, content_type="multipart/form-data")
+
+    line = json.dumps(request("x", completion_body(0)))
+    big = post(line + " " * 1_500_000 + "\n")  # over MAX_BODY_BYTES (1 MiB), under BATCH_MAX_FILE_BYTES
+    assert big.status_code == 200 and big.get_json()["bytes"] > 1_500_000
+    too_big = post(line + " " * (2 << 20) + "\n")
+    assert too_big.status_code == 413 and too_big.get_json()["error"]["param"] in ("file", None)
+    too_many = post("\n".join([line] * 4))
+    assert too_many.status_code == 400 and too_many.get_json()["error"]["param"] == "file"
+    manager.shut_down(0)
