@@ -46,6 +46,7 @@ class Settings:
     # Overload (README "Priorities and overload"): a request's priority level is worth this many seconds of
     # waiting (0: strict priority, which can starve); generate/priority.py
     priority_aging_s: float = 10.0
+    priority_prefill_first: bool = True  # less urgent prompt chunks wait while a more urgent prompt prefills
     engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
     engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
     max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound

@@ -52,7 +52,12 @@ class Engine:
         self.blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_cache)
         max_running = settings.max_running(runner.on_gpu, runner.max_context)
         self.scheduler = Scheduler(
-            self.blocks, max_running, self.max_batch_tokens, settings.chunked_prefill, settings.priority_aging_s
+            self.blocks,
+            max_running,
+            self.max_batch_tokens,
+            settings.chunked_prefill,
+            settings.priority_aging_s,
+            settings.priority_prefill_first,
         )
         self.step_log = StepLog(settings.step_log_size)
         self.num_steps = 0

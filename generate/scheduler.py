@@ -15,7 +15,9 @@ Priorities (generate/priority.py): the queue is in rank order, so a more urgent 
 admitted first; when the head of the queue finds no seat or too few blocks, running sequences
 that rank below it are preempted (recomputed later, as above) until it fits, so an urgent
 request waits a step for a batch of less urgent ones, not for their end. Nothing else overtakes
-the head: a request that does not fit blocks those behind it.
+the head: a request that does not fit blocks those behind it. While a prompt is being prefilled,
+the prompt chunks of less urgent sequences wait (PRIORITY_PREFILL_FIRST; their decodes do not):
+where a step's time grows with its tokens (a CPU), the urgent prompt's step is then short.
 
 n completions of one prompt arrive as a leader followed by its forks. A fork admitted while
 its leader runs shares the leader's full prompt blocks (BlockManager.fork) and waits, taking
@@ -42,6 +44,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         chunked_prefill: bool,
         priority_aging_s: float = 0.0,
+        priority_prefill_first: bool = False,
     ):
         # Every running sequence decodes one token per step, so no more may run than the budget has tokens.
         assert 1 <= max_num_seqs <= max_num_batched_tokens
@@ -50,6 +53,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.priority_aging_s = priority_aging_s
+        self.priority_prefill_first = priority_prefill_first
+        self._prefilling: int | None = None  # the most urgent priority with a prompt chunk in this step
         # Keep a few blocks back when admitting beside running sequences, so that their
         # next decode steps do not immediately preempt the newcomer.
         self.watermark = blocks.num_blocks // 100
@@ -83,13 +88,17 @@ class Scheduler:
         preempted = self._reserve_slots()
         budget = self.max_num_batched_tokens
         scheduled = []
+        # A more urgent request at the head of the queue counts as prefilling: less urgent prompts
+        # leave it the budget (with PRIORITY_PREFILL_FIRST), or it could wait for their whole prompts.
+        self._prefilling = self.waiting[0].priority if self.waiting else None
         # decodes first (at most one token each, and running <= budget), then prompt chunks, most urgent first
         for seq in sorted(self.running, key=lambda s: (s.num_new_tokens > 1, self.rank(s))):
-            if self._waits_for_leader(seq):
+            if self._waits_for_leader(seq) or self._held_back(seq):
                 continue
             chunk = min(seq.num_new_tokens, budget)
             if chunk == 0:
                 break
+            self._note_prefill(seq)
             seq.num_scheduled_tokens = chunk
             budget -= chunk
             scheduled.append(seq)
@@ -129,11 +138,21 @@ class Scheduler:
                 break
             del self.waiting[0]
             self._start(seq, leader)
-            if not self._waits_for_leader(seq):
+            if not self._waits_for_leader(seq) and not self._held_back(seq):
                 seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
                 budget -= seq.num_scheduled_tokens
                 if seq.num_scheduled_tokens:
+                    self._note_prefill(seq)
                     scheduled.append(seq)
+
+    def _held_back(self, seq: Sequence) -> bool:
+        """A prompt chunk that waits this step for a more urgent prompt's (PRIORITY_PREFILL_FIRST)."""
+        more_urgent = self._prefilling is not None and seq.priority > self._prefilling
+        return self.priority_prefill_first and seq.num_new_tokens > 1 and more_urgent
+
+    def _note_prefill(self, seq: Sequence) -> None:
+        if seq.num_new_tokens > 1:
+            self._prefilling = seq.priority if self._prefilling is None else min(self._prefilling, seq.priority)
 
     def _fits(self, blocks: int) -> bool:
         """A seat, and `blocks` free blocks beyond a few kept back for the running sequences' next decodes."""

@@ -118,3 +118,27 @@ def test_aging_lets_a_low_priority_request_through_a_stream_of_urgent_ones(tiny_
         engine.abort(seq)
     engine.blocks.check_integrity([])
     assert engine.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_less_urgent_prompt_chunks_wait_while_an_urgent_prompt_prefills(tiny_checkpoint, hf_greedy, prefill_first):
+    engine = make_engine(tiny_checkpoint, block_size=BLOCK, max_batch_tokens=16, priority_prefill_first=prefill_first)
+    long_prompt, urgent_prompt, decoding_prompt = random_prompts([60, 20, 5], seed=47)
+    decoding = greedy(30, 5, decoding_prompt)
+    engine.add(decoding)
+    step_checked(engine)  # decoding from now on
+    batch = greedy(4, 5, long_prompt)
+    engine.add(batch)
+    step_checked(engine)  # its first chunk
+    urgent = greedy(4, 0, urgent_prompt)
+    engine.add(urgent)
+    before = batch.num_computed_tokens
+    step_checked(engine, 2)  # the urgent prompt's two chunks (15 and 5 tokens beside one decode)
+    assert decoding.num_generated == 4  # decodes never wait
+    if prefill_first:  # the batch's prompt waited two steps for the urgent one
+        assert urgent.num_generated == 1 and batch.num_computed_tokens == before
+    else:  # the batch's running prompt took the budget first: the urgent one is not even admitted
+        assert urgent.num_generated == 0 and batch.num_computed_tokens == before + 30
+    drain(engine)
+    for seq, prompt in [(decoding, decoding_prompt), (batch, long_prompt), (urgent, urgent_prompt)]:
+        assert seq.completion_ids == hf_greedy(prompt, seq.params.max_tokens)
