@@ -6,11 +6,14 @@ import logging
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import chat, dashboard, openai, simple, stats, tokenize
+from api import batches, chat, dashboard, openai, simple, stats, tokenize
 from api.chat_template import ChatTemplate
 from api.json_body import StrictJSONProvider, require_json
+from api.priority import PRIORITY_LIMIT
 from api.serving import Server
 from api.validation import ApiError
+from batching.batch_jobs import BatchJobs
+from batching.batch_store import BatchStore
 from batching.manager import BatchingManager
 from config import Settings
 from generate.engine import Engine
@@ -39,7 +42,15 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json = StrictJSONProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["server"] = Server(settings, engine, manager, load_tokenizer(), template)
-    for blueprint in (simple.routes, openai.routes, chat.routes, tokenize.routes, dashboard.routes, stats.routes):
+    for blueprint in (
+        simple.routes,
+        openai.routes,
+        chat.routes,
+        tokenize.routes,
+        dashboard.routes,
+        stats.routes,
+        batches.routes,
+    ):
         app.register_blueprint(blueprint)
 
     @app.errorhandler(ApiError)
@@ -62,7 +73,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.before_request
     def require_json_posts():
-        if request.method == "POST" and request.routing_exception is None:  # a 404 or 405 stays one
+        if request.method == "POST" and request.routing_exception is None and not batches.non_json_post(request.path):
             require_json(request.is_json, request.content_type)
 
     @app.after_request
@@ -73,12 +84,13 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.get("/health")
     def health():
-        """Alive: the model is loaded and the loop runs, however busy it is."""
+        """Alive: the model is loaded and the loop runs and makes progress, however busy it is."""
         body = {"model": engine.model_name, "random_weights": engine.is_random, "mode": settings.mode}
         if settings.exposed:  # server.sh found no HAProxy to put in front, or FRONT=off
             body["warning"] = settings.no_front_warning
-        if not manager.ready:
-            return jsonify(status="unavailable", reason=manager.failure, **body), 503
+        problem = manager.health_problem()
+        if problem:
+            return jsonify(status="unavailable", reason=problem, **body), 503
         return jsonify(status="ok", **body)
 
     @app.get("/ready")
@@ -88,4 +100,22 @@ def create_app(settings: Settings | None = None) -> Flask:
             return jsonify(status="busy" if manager.ready else "unavailable"), 503
         return jsonify(status="ready")
 
+    # Last: a batch resumed from DATA_DIR sends its first request at once, and the app must be complete by then.
+    app.extensions["batch_jobs"] = _batch_jobs(app, settings, manager)
     return app
+
+
+def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager) -> BatchJobs:
+    """The Batch API's runner: each request goes through the app's own endpoint, at the lowest priority."""
+    client = app.test_client(use_cookies=False)
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+
+    def send(endpoint: str, body: dict) -> tuple[int, dict]:
+        response = client.post(endpoint, json=body, headers=headers)
+        return response.status_code, response.get_json(silent=True)
+
+    jobs = BatchJobs(
+        BatchStore(settings.data_dir), send, lambda: manager.ready, PRIORITY_LIMIT, settings.batch_in_flight
+    )
+    jobs.start()
+    return jobs

@@ -58,6 +58,19 @@ class Settings:
     limit_by: str = "address"  # address: a client is its IP address; key: its Authorization header, if it sends one
     constraint_compile_timeout_s: float = 10.0  # structured output: a constraint compiling longer is refused (400)
     constraint_cache_size: int = 256  # structured output: compiled constraints kept (least recently used out)
+    # Overload (README "Priorities and overload"): a request's priority level is worth this many seconds of
+    # waiting (0: strict priority, which can starve); generate/priority.py
+    priority_aging_s: float = 10.0
+    priority_prefill_first: bool = True  # less urgent prompt chunks wait while a more urgent prompt prefills
+    engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
+    engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
+    max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
+    ttft_target_s: float = 0.0  # refuse (429) a request that could not start within this; 0: off
+    data_dir: str = "data"  # the Batch API's files and batches (they survive a restart there)
+    batch_max_file_bytes: int = 8 << 20  # an uploaded batch file
+    batch_max_requests: int = 10_000  # lines of one batch file
+    batch_in_flight: int = 32  # a batch's requests in the server at once
+    fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +95,14 @@ class Settings:
             raise ValueError(f"TIMELINE_WINDOW_S must be positive, got {self.timeline_window_s}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.engine_stall_s <= 0 or self.engine_first_step_s <= 0:
+            raise ValueError("ENGINE_STALL_S and ENGINE_FIRST_STEP_S must be positive")
+        if self.batch_max_file_bytes < 1 or self.batch_max_requests < 1 or self.batch_in_flight < 1:
+            raise ValueError("BATCH_MAX_FILE_BYTES, BATCH_MAX_REQUESTS and BATCH_IN_FLIGHT must be positive")
+        if self.max_waiting_tokens < 0 or self.ttft_target_s < 0:
+            raise ValueError("MAX_WAITING_TOKENS and TTFT_TARGET_S must be at least 0 (0: off)")
+        if self.priority_aging_s < 0:
+            raise ValueError(f"PRIORITY_AGING_S must be at least 0, got {self.priority_aging_s}")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
         self._check_front()

@@ -163,7 +163,7 @@ def _check_arguments(arguments: str, i: int) -> None:
 def chat_completions():
     srv = server()
     chat = parse_chat(request.get_json(silent=True), srv)
-    req = start(srv, [chat.prompt], chat.params, chat.shared.n, chat.stop, chat.shared.stream)
+    req = start(srv, [chat.prompt], chat.params, chat.shared.n, chat.stop, chat.shared.stream, chat.shared.priority)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": srv.engine.model_name}
     if chat.shared.stream:
         head["object"] = "chat.completion.chunk"

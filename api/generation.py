@@ -33,7 +33,13 @@ class Request:
 
 
 def start(
-    srv: Server, prompts: list[list[int]], params: SamplingParams, n: int, stop: tuple[str, ...], stream: bool
+    srv: Server,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    stop: tuple[str, ...],
+    stream: bool,
+    priority: int = 0,
 ) -> Request:
     """Submit n completions of every prompt; the first of each prompt leads, the others fork from it."""
     chunks = queue.SimpleQueue() if stream else None
@@ -43,7 +49,8 @@ def start(
         for j in range(n):
             own = params if params.seed is None else replace(params, seed=(params.seed + j) % SEED_LIMIT)
             text = TextStream(srv.tokenizer, stop)
-            inf = Inference(prompt, own, text=text, chunks=chunks, index=len(completions), fork_of=leader)
+            index = len(completions)
+            inf = Inference(prompt, own, text=text, chunks=chunks, index=index, fork_of=leader, priority=priority)
             leader = leader or inf
             completions.append(inf)
     submit(srv, *completions)

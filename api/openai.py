@@ -80,7 +80,8 @@ def models():
 def completions():
     srv = server()
     creq = parse_completion(request.get_json(silent=True), srv)
-    req = start(srv, creq.prompts, creq.params, creq.shared.n, creq.shared.stop, creq.shared.stream)
+    shared = creq.shared
+    req = start(srv, creq.prompts, creq.params, shared.n, shared.stop, shared.stream, shared.priority)
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",

@@ -14,6 +14,7 @@ class SharedFields(NamedTuple):
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # streaming: a last event with the token counts
+    priority: int
 
 
 def shared_fields(body: SamplingRequest, srv: Server) -> SharedFields:
@@ -38,7 +39,7 @@ def shared_fields(body: SamplingRequest, srv: Server) -> SharedFields:
     }
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return SharedFields(body.n, sampling, body.min_tokens, stop, body.stream, include_usage)
+    return SharedFields(body.n, sampling, body.min_tokens, stop, body.stream, include_usage, body.priority)
 
 
 def check_model(model: str | None, srv: Server) -> None:

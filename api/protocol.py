@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from api.priority import PRIORITY_LIMIT
 from api.validation import ApiError, bad, json_object
 
 MAX_N = 16  # completions of one prompt in one request
@@ -56,7 +57,7 @@ class SamplingRequest(Strict):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, and changes nothing
-    priority: int = 0  # scheduling priority (issue 28); declared here, wired by the scheduler's change
+    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)  # vLLM's: lower is more urgent
     guided_json: dict[str, Any] | str | None = None  # a JSON Schema, or its JSON text
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None

@@ -7,8 +7,9 @@ from flask import current_app
 
 from api.chat_template import ChatTemplate
 from api.validation import ApiError
+from batching.admission import Refused
 from batching.inference import Inference
-from batching.manager import BatchingManager, NotServing, QueueFull
+from batching.manager import BatchingManager, NotServing
 from config import Settings
 from generate.engine import Engine
 
@@ -36,8 +37,8 @@ def submit(srv: Server, *infs: Inference) -> Inference:
     """Queue one request's inferences (they enter the engine together); the first of them."""
     try:
         return srv.manager.enqueue(*infs)[0]
-    except QueueFull as err:
-        raise ApiError(503, str(err), "overloaded", headers={"Retry-After": "1"}) from None
+    except Refused as err:
+        raise ApiError(err.status, str(err), "overloaded", headers={"Retry-After": str(err.retry_after)}) from None
     except NotServing as err:
         raise ApiError(503, str(err), "unavailable") from None
 

@@ -4,6 +4,7 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
+from api.priority import parse_priority
 from api.serving import check_fits, server, submit, wait
 from api.validation import bad, boolean, integer, json_object, known_fields, number, optional_seed
 from batching.inference import Inference
@@ -13,10 +14,10 @@ from model.tokenizer import encode_prompt
 routes = Blueprint("inference", __name__)
 
 
-FIELDS = ("prompt", "num_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos")
+FIELDS = ("prompt", "num_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos", "priority")
 
 
-def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams]:
+def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams, int]:
     body = json_object(body)
     known_fields(body, FIELDS, "/inference")
     prompt = body.get("prompt")
@@ -30,16 +31,16 @@ def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams]:
         seed=optional_seed(body),
         stop_at_eos=boolean(body, "stop_at_eos", False),
     )
-    return prompt, params
+    return prompt, params, parse_priority(body)
 
 
 @routes.post("/inference")
 def inference():
     srv = server()
-    prompt, params = parse_inference(request.get_json(silent=True), srv.engine.max_context)
+    prompt, params, priority = parse_inference(request.get_json(silent=True), srv.engine.max_context)
     prompt_ids = encode_prompt(srv.tokenizer, prompt)
     check_fits(srv, len(prompt_ids), params.max_tokens, "num_tokens")
-    inf = wait(srv, submit(srv, Inference(prompt_ids, params)))
+    inf = wait(srv, submit(srv, Inference(prompt_ids, params, priority=priority)))
     text = srv.tokenizer.decode(inf.generated_ids)
     return jsonify(
         completion=prompt + text,

@@ -174,6 +174,14 @@ LIVE_VALUES = (
         label="finished_reason",
         vllm=("vllm:request_success",),
     ),
+    LiveValue(
+        "requests_refused",
+        "gpt2_requests_refused",
+        "counter",
+        "Requests refused at admission, by reason (batching/admission.py)",
+        lambda t: t.refused(),
+        label="reason",
+    ),
     # structured output (generate/constraints.py, generate/grammar_mask.py)
     LiveValue(
         "constrained_requests",
@@ -230,8 +238,14 @@ LIVE_VALUES = (
 class LiveTable:
     """Written by the loop thread (tokens of a step, answered requests), read by request threads."""
 
-    def __init__(self, engine: Engine, window_s: float, num_waiting: Callable[[], int]) -> None:
-        self.engine, self.num_waiting = engine, num_waiting
+    def __init__(
+        self,
+        engine: Engine,
+        window_s: float,
+        num_waiting: Callable[[], int],
+        refused: Callable[[], dict[str, int]],
+    ) -> None:
+        self.engine, self.num_waiting, self.refused = engine, num_waiting, refused
         self.model_name = engine.model_name
         self.started_at = time.time()  # Unix time
         self.stats = Stats()

@@ -9,6 +9,9 @@ engine, so a comparison between them measures scheduling alone:
            admits it as soon as there is room (iteration-level batching).
 A request that asks for several completions (n, or a list of prompts) moves as one: its
 inferences enter the engine together, leader first, so forks can share its prompt.
+Priorities: dynamic mode hands them to the scheduler, which admits and preempts by them; nobatch
+and static take the most urgent requests first (the same rank, generate/priority.py) but never
+stop a running batch for one.
 """
 
 import logging
@@ -17,20 +20,22 @@ import time
 from collections import deque
 from itertools import accumulate
 
+from batching.admission import Admission, Refused
 from batching.events import PHASE_AFTER, EventLog
+from batching.heartbeat import Heartbeat
 from batching.inference import Delta, Inference
 from batching.live import LiveTable
 from batching.step_summary import StepSummary, summarize
 from config import Settings
 from generate.engine import Engine, StepResult
+from generate.priority import Rank
 from generate.sequence import Status
 from generate.step_log import StepRecord
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
-    """More requests are waiting than MAX_WAITING allows."""
+QueueFull = Refused  # more requests waiting than MAX_WAITING allows, or another reason (batching/admission.py)
 
 
 class NotServing(Exception):
@@ -40,7 +45,8 @@ class NotServing(Exception):
 class BatchingManager:
     def __init__(self, engine: Engine, settings: Settings):
         self.engine, self.settings, self.mode = engine, settings, settings.mode
-        self.live = LiveTable(engine, settings.timeline_window_s, self.num_waiting)
+        self.admission = Admission(settings)
+        self.live = LiveTable(engine, settings.timeline_window_s, self.num_waiting, self.admission.counts)
         self.stats = self.live.stats  # since-start counts and percentiles
         self.events = EventLog(settings.request_event_log_size)
         self.started_at = time.time()  # Unix time, for rates over windows that reach back past the start
@@ -51,6 +57,8 @@ class BatchingManager:
         self.failure: str | None = None
         self._stop_at: float | None = None  # set by shut_down()
         self.cache_problem: str | None = None  # from the last idle-time integrity check
+        self.heartbeat = Heartbeat(settings.engine_stall_s, settings.engine_first_step_s)
+        self._hang = threading.Event()  # FAULT_HANG_AT_STEP: the hung step waits for this (set at shutdown)
         self._cond = threading.Condition()
         self._incoming: deque[tuple[Inference, ...]] = deque()  # requests; guarded by _cond
         self._num_incoming = 0  # inferences in _incoming, read without the lock
@@ -66,8 +74,15 @@ class BatchingManager:
     def ready(self) -> bool:
         return self.failure is None and self._stop_at is None and self._thread.is_alive()
 
+    def health_problem(self) -> str | None:
+        """Why this server cannot serve (its loop died, is stopping, or is stuck in a step), or None."""
+        if not self.ready:
+            return self.failure or "shutting down"
+        return self.heartbeat.stalled(self.num_waiting() + self.num_running())
+
     def shut_down(self, grace_s: float) -> None:
         """Take no new requests; those not finished within `grace_s` are answered with an error."""
+        self._hang.set()
         with self._cond:
             self._stop_at = time.monotonic() + grace_s
             self._cond.notify()
@@ -77,8 +92,9 @@ class BatchingManager:
         with self._cond:
             if not self.ready:  # checked under the lock that _fail_everything takes
                 raise NotServing(self.failure or ("shutting down" if self._stop_at else "the loop is not running"))
-            if self.num_waiting() >= self.settings.max_waiting:
-                raise QueueFull(f"{self.settings.max_waiting} requests are already waiting")
+            queued = [(inf.priority, len(inf.prompt_ids)) for request in self._incoming for inf in _prompts(request)]
+            tokens = sum(len(inf.prompt_ids) for inf in _prompts(infs))
+            self.admission.check(tokens, infs[0].priority, self.num_waiting(), queued)
             self._incoming.append(infs)
             self._num_incoming += len(infs)
             for inf in infs:
@@ -133,17 +149,20 @@ class BatchingManager:
                 self.stats.mark_busy(False)
                 self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())
                 self._apply_cancellations()
+                self.heartbeat.wake()
             self.stats.mark_busy(True)
             if not self._incoming or (self.mode != "dynamic" and engine.has_work()):
                 count = 0  # nobatch and static: nothing joins a running batch
             elif self.mode == "dynamic":
                 count = len(self._incoming)
             elif self.mode == "nobatch":
+                self._rank_incoming()
                 count = 1
             else:
                 count = self._gather_static_batch()
             for _ in range(count):
                 self._start(self._incoming.popleft())
+            self.admission.publish(engine.scheduler.waiting, engine.scheduler.running)
 
     def _start(self, request: tuple[Inference, ...]) -> None:
         self._num_incoming -= len(request)
@@ -170,8 +189,15 @@ class BatchingManager:
             self._apply_cancellations()
             if not self._incoming:
                 return 0
+        self._rank_incoming()
         sizes = accumulate(len(request) for request in self._incoming)
         return max(1, sum(1 for size in sizes if size <= limit))
+
+    def _rank_incoming(self) -> None:
+        """nobatch and static: the queue in rank order (a stable sort: equal ranks keep arrival order)."""
+        aging = self.settings.priority_aging_s
+        rank = lambda request: Rank.of(request[0].priority, request[0].arrival, 0, aging)  # noqa: E731
+        self._incoming = deque(sorted(self._incoming, key=rank))
 
     def _apply_cancellations(self) -> None:
         for inf in self._cancelled:
@@ -191,11 +217,15 @@ class BatchingManager:
 
     def _step(self) -> None:
         began = time.monotonic()
+        if self.settings.fault_hang_at_step == self.engine.num_steps + 1:
+            self._hang.wait()  # fault injection, for tests of /health: this step hangs until shutdown
         results = self.engine.step()
         if not results:
             return
         started = time.perf_counter()
         step = self.engine.step_log.last
+        self.heartbeat.step_done(step.duration_s)
+        self.admission.observe_step(step.num_prefill_tokens, step.duration_s)
         if self.engine.scheduler.num_preemptions != self._preemptions_seen:
             self._record_preemptions(step)
         self._deliver(results, step, began)
@@ -286,3 +316,8 @@ class BatchingManager:
         for inf in pending:
             if not inf.done.is_set():
                 self._answer(inf, error=reason)
+
+
+def _prompts(request: tuple[Inference, ...]) -> list[Inference]:
+    """A request's inferences that compute their prompt: all but forks, which share their leader's."""
+    return [inf for inf in request if inf.seq.fork_of is None]

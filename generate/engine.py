@@ -55,7 +55,14 @@ class Engine:
         self.max_batch_tokens = settings.batch_token_budget(runner.on_gpu, runner.max_context)
         self.blocks = BlockManager(num_blocks, settings.block_size, settings.prefix_cache)
         max_running = settings.max_running(runner.on_gpu, runner.max_context)
-        self.scheduler = Scheduler(self.blocks, max_running, self.max_batch_tokens, settings.chunked_prefill)
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_running,
+            self.max_batch_tokens,
+            settings.chunked_prefill,
+            settings.priority_aging_s,
+            settings.priority_prefill_first,
+        )
         self.step_log = StepLog(settings.step_log_size)
         self.num_steps = 0
         constraints.configure(settings)

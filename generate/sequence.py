@@ -77,6 +77,7 @@ class Sequence:
     # instead of computing them (n completions of one prompt); None once it runs on its own.
     fork_of: "Sequence | None" = None
     seq_id: int = field(default_factory=lambda: next(_ids))
+    priority: int = 0  # lower is more urgent (generate/priority.py)
     num_prompt_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" or "stop"

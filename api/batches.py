@@ -1,0 +1,110 @@
+"""OpenAI's Batch API, as the official client calls it: upload a JSONL of requests (POST /v1/files,
+purpose "batch"), start a batch on it (POST /v1/batches), poll it (GET /v1/batches/{id}), cancel it
+(POST /v1/batches/{id}/cancel), download its output and error files (GET /v1/files/{id}/content).
+Batches run inside the server (batching/batch_jobs.py); limits: BATCH_MAX_FILE_BYTES per file,
+BATCH_MAX_REQUESTS lines per file.
+"""
+
+from flask import Blueprint, Response, current_app, jsonify, request
+
+from api.validation import ApiError, bad, json_object, known_fields
+from batching.batch_jobs import ENDPOINTS, BatchJobs
+from batching.batch_store import BatchStore
+from config import Settings
+
+routes = Blueprint("batches", __name__)
+BATCH_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata")
+MAX_METADATA = 16  # keys, as OpenAI
+
+
+def non_json_post(path: str) -> bool:
+    """POSTs whose body is not JSON: an upload (multipart), and a cancel (no body)."""
+    return path == "/v1/files" or (path.startswith("/v1/batches/") and path.endswith("/cancel"))
+
+
+def _jobs() -> BatchJobs:
+    return current_app.extensions["batch_jobs"]
+
+
+def _store() -> BatchStore:
+    return _jobs().store
+
+
+def _settings() -> Settings:
+    return current_app.extensions["server"].settings
+
+
+@routes.post("/v1/files")
+def upload():
+    limit = _settings().batch_max_file_bytes
+    request.max_content_length = limit + 64 * 1024  # the file and the multipart framing around it
+    if request.form.get("purpose") != "batch":
+        raise bad("'purpose' must be 'batch' (the only purpose this server takes)", "purpose")
+    upload = request.files.get("file")
+    if upload is None:
+        raise bad("send the file in the multipart field 'file'", "file")
+    data = upload.read(limit + 1)
+    if len(data) > limit:
+        raise ApiError(413, f"the file is larger than BATCH_MAX_FILE_BYTES ({limit} bytes)", param="file")
+    try:
+        lines = sum(1 for line in data.decode("utf-8").split("\n") if line.strip())
+    except UnicodeDecodeError:
+        raise bad("the file must be UTF-8 JSONL", "file") from None
+    if not 0 < lines <= _settings().batch_max_requests:
+        raise bad(f"the file must hold 1 to {_settings().batch_max_requests} requests, one a line", "file")
+    return jsonify(_store().add_file(data, upload.filename or "batch.jsonl", "batch"))
+
+
+def _found(what: str, name: str, found: dict | None) -> dict:
+    if found is None:
+        raise ApiError(404, f"no {what} {name!r}", "not_found_error", param=f"{what}_id")
+    return found
+
+
+@routes.get("/v1/files/<file_id>")
+def file_info(file_id: str):
+    return jsonify(_found("file", file_id, _store().file(file_id)))
+
+
+@routes.get("/v1/files/<file_id>/content")
+def file_content(file_id: str):
+    _found("file", file_id, _store().file(file_id))
+    return Response(_store().content(file_id), mimetype="application/jsonl")
+
+
+@routes.post("/v1/batches")
+def create_batch():
+    body = json_object(request.get_json(silent=True))
+    known_fields(body, BATCH_FIELDS, "/v1/batches")
+    if body.get("endpoint") not in ENDPOINTS:
+        raise bad(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", "endpoint")
+    if body.get("completion_window") != "24h":
+        raise bad("'completion_window' must be '24h'", "completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and len(metadata) <= MAX_METADATA
+        and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise bad(f"'metadata' must be an object of at most {MAX_METADATA} string values", "metadata")
+    file_id = body.get("input_file_id")
+    meta = _store().file(file_id) if isinstance(file_id, str) else None
+    if meta is None or meta["purpose"] != "batch":
+        raise bad(f"'input_file_id' must name an uploaded file of purpose 'batch', got {file_id!r}", "input_file_id")
+    return jsonify(_jobs().create(file_id, body["endpoint"], metadata))
+
+
+@routes.get("/v1/batches")
+def list_batches():
+    data = sorted(_jobs().list(), key=lambda b: b["created_at"], reverse=True)
+    return jsonify(object="list", data=data, has_more=False, first_id=None, last_id=None)
+
+
+@routes.get("/v1/batches/<batch_id>")
+def get_batch(batch_id: str):
+    return jsonify(_found("batch", batch_id, _jobs().get(batch_id)))
+
+
+@routes.post("/v1/batches/<batch_id>/cancel")
+def cancel_batch(batch_id: str):
+    return jsonify(_found("batch", batch_id, _jobs().cancel(batch_id)))
