@@ -39,7 +39,7 @@ def test_an_urgent_request_preempts_a_running_batch_over_http(url, hf_greedy):
     low_prompts, (urgent_prompt,) = texts(50, 4), texts(51, 1)
     with ThreadPoolExecutor(4) as pool:
         batch = [pool.submit(infer, url, p, 300, 5) for p in low_prompts]  # fills all 4 seats for a while
-        wait_until(lambda: stats()["requests_running"] == 4 and stats()["tokens_generated"] == 0, 60)
+        wait_until(lambda: stats()["requests_running"] == 4 and stats()["requests_completed"] == 0, 60)
         wait_until(lambda: stats()["steps"] > 5, 60)
         urgent = infer(url, urgent_prompt, 8, 0)
         assert not any(f.done() for f in batch)  # it did not wait for a seat to come free

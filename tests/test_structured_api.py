@@ -51,7 +51,10 @@ SCHEMAS = {
         "$defs": {
             "point": {
                 "type": "object",
-                "properties": {"x": {"type": "integer", "maximum": 9}, "y": {"type": "integer", "maximum": 9}},
+                "properties": {
+                    "x": {"type": "integer", "minimum": -9, "maximum": 9},
+                    "y": {"type": "integer", "minimum": -9, "maximum": 9},
+                },
                 "required": ["x", "y"],
                 "additionalProperties": False,
             }
