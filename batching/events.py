@@ -37,6 +37,9 @@ class RequestEvent:
     kind: str  # a key of PHASE_AFTER
     prompt_tokens: int
     generated_tokens: int  # so far
+    # structured output: the constraint's kind (generate/constraints.py KINDS) on every event of a
+    # constrained request, so a reader that missed its arrival (ring, late page) still knows; else None
+    constraint: str | None = None
     ttft_s: float | None = None  # on "finished": time to first token
     latency_s: float | None = None  # on "finished": arrival to the last token
 
@@ -61,14 +64,14 @@ class EventLog:
         prompt_tokens: int,
         generated_tokens: int,
         at: float | None = None,
+        constraint: str | None = None,
         **ending: float | None,
     ) -> None:
         assert kind in PHASE_AFTER, kind
         with self._lock:
             self._count += 1
-            event = RequestEvent(
-                self._count, time.time() if at is None else at, request, kind, prompt_tokens, generated_tokens, **ending
-            )
+            at = time.time() if at is None else at
+            event = RequestEvent(self._count, at, request, kind, prompt_tokens, generated_tokens, constraint, **ending)
             self._events.append(event)
 
     @property

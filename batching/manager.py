@@ -303,7 +303,9 @@ class BatchingManager:
     ) -> None:
         """A request event (now, unless `at`); `inf.phase` follows it (the loop's view of the request)."""
         generated = len(inf.generated_ids) if generated is None else generated
-        self.events.record(inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, **ending)
+        constraint = inf.seq.params.constraint
+        constraint_kind = constraint.constraint.kind if constraint is not None else None
+        self.events.record(inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, constraint_kind, **ending)
         inf.phase = PHASE_AFTER[kind] or kind
 
     def _fail_everything(self, reason: str) -> None:

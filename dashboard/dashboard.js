@@ -26,7 +26,8 @@
     eventsSince: 0,
     data: null, // the latest response
     steps: [], // step records, oldest first
-    requests: new Map(), // request id -> {id, prompt, generated, segments: [{phase, start, end}], ended, endedAt}
+    // request id -> {id, prompt, generated, constraint, segments: [{phase, start, end}], ended, endedAt}
+    requests: new Map(),
     samples: [], // one per poll: live values and window figures, for the charts over time
   };
 
@@ -129,6 +130,7 @@
       state.requests.set(e.request, r);
     }
     r.generated = e.generated_tokens;
+    r.constraint = e.constraint ?? null; // on every event of a constrained request (structured output)
     const open = r.segments[r.segments.length - 1];
     if (open && open.end === null) open.end = e.at;
     const phase = PHASE_AFTER[e.kind];
@@ -382,6 +384,7 @@
     const rowH = (c.y1 - c.y0) / Math.max(rows.length, 6);
     rows.forEach((r, i) => {
       const y = c.y0 + i * rowH;
+      if (r.constraint) markConstrained(c, r, y, rowH * 0.8, xOf(r.segments[0].start), xOf(r.endedAt ?? now));
       for (const seg of r.segments) {
         const x = xOf(seg.start);
         const width = Math.max(xOf(seg.end ?? now) - x, 0.5);
@@ -396,6 +399,18 @@
       }
     });
     timeAxis(c, t0, now);
+  }
+
+  // A constrained request's row (structured output), drawn under its phases: a tinted band across the
+  // plot (visible however short the request), a ring around its life, and "{}" in the left margin
+  // (where row labels are right-aligned, so the two meet only for very long ids); hovering names the kind.
+  function markConstrained(c, r, y, height, start, end) {
+    const mark = add(c.svg, "g", { class: "constrained" });
+    add(mark, "title", {}, `#${r.id}: ${r.constraint} constraint`);
+    add(mark, "rect", { x: c.x0, y, width: c.x1 - c.x0, height, class: "band" });
+    const width = Math.max(end - start, 0.5) + 2;
+    add(mark, "rect", { x: start - 1, y: y - 1, width, height: height + 2, class: "ring" });
+    add(mark, "text", { x: 2, y: y + height, class: "tag" }, "{}");
   }
 
   // Lines over the last HISTORY_S seconds: `series` is [[points, class, filled?], ...].

@@ -104,6 +104,16 @@ def test_dashboard_draws_the_loop_while_requests_run(url):
         expect(page.locator("#requests-chart rect.end.finished").first).to_be_attached()
         expect(page.locator("#tile-running")).to_have_text("0")
         assert page.locator("#latency-chart path.line.tps").count() == 1
+        # A constrained request's row carries the mark (outline, "{}" tag, its kind on hover); free rows do not.
+        body = {"prompt": "yes or no?", "max_tokens": 4, "guided_choice": ["yes", "no"]}
+        answer = requests.post(
+            f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        )
+        assert answer.status_code == 200, answer.text
+        expect(page.locator("#requests-chart g.constrained")).to_have_count(1)
+        assert page.text_content("#requests-chart g.constrained title").endswith(": choice constraint")
+        assert page.text_content("#requests-chart g.constrained text.tag") == "{}"
+        assert "constrained" in page.inner_text("section:has(#requests-chart) .legend")
         page.reload()  # the key is still there: no form, straight to the data
         expect(page.locator("#step-count")).to_have_text(re.compile(r"^[1-9]\d*$"))
         assert page.locator("#key-form").is_hidden()

@@ -1,6 +1,7 @@
 """The record behind the dashboard: request events and step records, GET /stats/timeline and its
 paging, the step figures in /stats and /metrics, and who may read them. In process (Flask test client)."""
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -208,6 +209,23 @@ def test_cancelled_and_failed_requests_end_their_rows(make_app):
     manager.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("simulated failure"))
     assert post(app, "doomed", 3).status_code == 500
     assert [e["kind"] for e in timeline(app)["events"]] == ["arrived", "admitted", "failed"]
+
+
+def test_a_constrained_request_carries_its_kind_on_every_event_a_free_one_none(make_app):
+    app, _ = make_app()
+    asked = [("regex", {"guided_regex": "[a-z]{1,4}"}), ("choice", {"guided_choice": ["yes", "no"]})]
+    for kind, constraint in asked:  # one at a time: request ids follow this order
+        body = {"prompt": f"a {kind}:", "max_tokens": 6, "temperature": 0, **constraint}
+        answer = app.test_client().post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.get_data(as_text=True)
+        text = answer.get_json()["choices"][0]["text"]
+        assert re.fullmatch("[a-z]{1,4}", text) if kind == "regex" else text in ("yes", "no")
+    assert post(app, "free", 3).status_code == 200
+    lives = [lives for _, lives in sorted(by_request(timeline(app)["events"]).items())]
+    assert len(lives) == 3
+    for life, kind in zip(lives, ["regex", "choice", None]):
+        assert_valid_life(life)
+        assert [e["constraint"] for e in life] == [kind] * len(life), life
 
 
 def test_the_rings_keep_only_the_latest_records(make_app):
