@@ -37,6 +37,9 @@ class Admission:
     def __init__(self, settings: Settings):
         self.max_waiting, self.max_waiting_tokens = settings.max_waiting, settings.max_waiting_tokens
         self.ttft_target_s = settings.ttft_target_s
+        # Only the token bound and the TTFT target look at the work waiting: without them, neither the
+        # loop (publish, every step) nor a request thread (submit) builds the list.
+        self.counts_work = bool(self.max_waiting_tokens or self.ttft_target_s)
         self.refusals = dict.fromkeys(REASONS, 0)
         self.engine_work: list[tuple[int, int]] = []  # (priority, prompt tokens to compute) in the engine
         self._steps: deque[tuple[int, float]] = deque(maxlen=RATE_STEPS)  # loop thread only
@@ -45,6 +48,8 @@ class Admission:
 
     def publish(self, waiting: Iterable[Sequence], running: Iterable[Sequence]) -> None:
         """What the engine has still to prefill (loop thread, under the manager's lock)."""
+        if not self.counts_work:
+            return
         work = [(s.priority, len(s.token_ids)) for s in waiting]
         work += [(s.priority, s.num_prompt_tokens - s.num_computed_tokens) for s in running]
         self.engine_work = [(p, n) for p, n in work if n > 0]

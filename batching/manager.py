@@ -92,7 +92,9 @@ class BatchingManager:
         with self._cond:
             if not self.ready:  # checked under the lock that _fail_everything takes
                 raise NotServing(self.failure or ("shutting down" if self._stop_at else "the loop is not running"))
-            queued = [(inf.priority, len(inf.prompt_ids)) for request in self._incoming for inf in _prompts(request)]
+            queued = []  # (priority, prompt tokens) of the requests queued here, when admission weighs work
+            if self.admission.counts_work:
+                queued = [(inf.priority, len(inf.prompt_ids)) for req in self._incoming for inf in _prompts(req)]
             tokens = sum(len(inf.prompt_ids) for inf in _prompts(infs))
             self.admission.check(tokens, infs[0].priority, self.num_waiting(), queued)
             self._incoming.append(infs)
