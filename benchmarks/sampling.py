@@ -1,7 +1,7 @@
 """The engine's `sample` stage alone: the Sampler over one step's logits, as a decode step calls it.
 
-Each of `batch` sequences samples its next token (temperature 1 and a seed, as a seeded chat
-request; optionally top-k/top-p) from [batch, 50257] float32 logits spread as GPT-2's are (the
+Each of `batch` sequences samples its next token (temperature 1, or --temperature, and a seed, as a
+seeded chat request; optionally top-k/top-p) from [batch, 50257] float32 logits spread as GPT-2's are (the
 cost does not depend on the weights, only on the shape and the stages the settings turn on).
 Prints the median and quartiles of the stage's time per step, in milliseconds:
 
@@ -25,6 +25,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--steps", type=int, default=50, help="timed calls per batch size")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -58,7 +59,7 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    params = SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p, seed=1, max_tokens=1000)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=1, max_tokens=1000)
     print(f"sample stage, {args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("batch  median_ms  q1_ms  q3_ms")
     for batch in (int(b) for b in args.batch_sizes.split(",")):

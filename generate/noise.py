@@ -1,13 +1,13 @@
-"""The sampling noise: a pure function of (seed, position, token id), computed for a whole batch at once.
+"""The sampling noise: a pure function of (seed, position, id), computed for a whole batch at once.
 
 A generator's stream gives a token the draw of however many calls came before it; here each
 token's exponential E = -log u is a counter-based hash of its key, so the same request draws the same
 noise for the same token whatever else shares the batch, however its prompt was chunked, whether
 its prefix came from the cache or it was preempted and recomputed. No per-row generator and no
 per-row tensor work: each row's key is splitmix64 of (seed, position) on the host, sent with the
-row's other settings; the noise is one pass of int32 tensor operations over [N, V] (the last
-round and a half of Wellons' lowbias32 over the row's key xor the token's lowbias32), on
-whatever device the logits are.
+row's other settings; the noise is one pass of int32 tensor operations over the [N, K] ids a
+step races (the last round and a half of Wellons' lowbias32 over the row's key xor the id's
+lowbias32), on whatever device the logits are.
 
 Torch has no unsigned 32-bit arithmetic everywhere we support, so the hash runs on signed int32:
 * and ^ wrap modulo 2**32 (two's complement, as on every CPU and GPU torch runs on:
@@ -16,7 +16,6 @@ so every right shift is masked to the bits a logical shift would keep.
 """
 
 import functools
-import sys
 
 import torch
 
@@ -31,7 +30,6 @@ def _signed(value: int, bits: int) -> int:
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 _MIX64 = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-assert sys.byteorder == "little", "the noise reads int32 halves as int16 pairs, low half first"
 _MANTISSA_BITS = 23  # float32's
 _ONE_AS_INT32 = 0x3F800000  # 1.0's float32 bits
 # lowbias32 (Chris Wellons' hash-prospector), and the 32-bit golden ratio that spreads token ids
@@ -59,37 +57,26 @@ def _xorshift_(x: torch.Tensor, shift: int) -> torch.Tensor:
     return x
 
 
-def _xorshift16_(x: torch.Tensor) -> torch.Tensor:
-    """x ^= x >>> 16 on int32, in place and with no shifted copy: the low 16 bits ^= the high 16 bits,
-    through x's int16 halves (low half first: little-endian, as every device torch runs on)."""
-    halves = x.view(torch.int16).unflatten(-1, (-1, 2))  # [..., n, 2]
-    halves[..., 0] ^= halves[..., 1]
-    return x
-
-
 @functools.lru_cache(maxsize=8)
-def _token_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:  # [V] int32, made once per device
-    """lowbias32 of each token id times the golden ratio."""
-    x = torch.arange(vocab_size, dtype=torch.int32, device=device) * _GOLDEN32
+def id_hashes(count: int, device: torch.device) -> torch.Tensor:  # [count] int32, made once per device
+    """lowbias32 of each id in [0, count) times the golden ratio: the half of a token's noise key that
+    belongs to the token (the sampler also keys groups of tokens, by ids past the vocabulary)."""
+    x = torch.arange(count, dtype=torch.int32, device=device) * _GOLDEN32
     for shift, multiplier in zip((16, 15), _MIX32):
         _xorshift_(x, shift).mul_(multiplier)
     return _xorshift_(x, 16)
 
 
-def log_uniforms(keys: torch.Tensor, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """log u for every row and token, u uniform on (0, 1) a pure function of (row key, token id); -log u is
-    the exponential E of the race. [N] int32 keys -> [N, V] float32, in `out` (overwritten) when given:
-    on a CPU every fresh [N, V] tensor costs its page faults."""
-    bits = None if out is None else out.view(torch.int32)
+def log_uniforms(keys: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+    """log u for every row and id, u uniform on (0, 1) a pure function of (row key, id); -log u is the
+    exponential E of the race. [N] int32 keys, [N, K] or [K] int32 id hashes (`id_hashes`) -> [N, K] float32."""
     # Both halves are mixed already (splitmix64, lowbias32): lowbias32's last round and a half mixes them
-    # together (the first xorshift, which brings an input's high bits down, their mixing has done),
-    # its middle shift 16 rather than 15, which needs no shifted copy of the [N, V] bits.
-    bits = torch.bitwise_xor(keys.unsqueeze(1), _token_hashes(vocab_size, keys.device), out=bits)  # [N, V]
-    _xorshift16_(bits.mul_(_MIX32[0])).mul_(_MIX32[1])
+    # together (the first xorshift, which brings an input's high bits down, their mixing has done).
+    bits = torch.bitwise_xor(keys.unsqueeze(1), hashes)  # [N, K]
+    _xorshift_(bits.mul_(_MIX32[0]), 15).mul_(_MIX32[1])
     # The top 23 bits j as the mantissa of a float in [1, 2): f = 1 + j / 2**23, in integer operations
-    # and a view (a conversion of the integers to float costs several times more on a CPU). Then
-    # u = f - (1 - 2**-24) = (j + 1/2) / 2**23, exact, uniform on (0, 1), never 0 or 1.
+    # and a view. Then u = f - (1 - 2**-24) = (j + 1/2) / 2**23, exact, uniform on (0, 1), never 0 or 1.
     bits >>= 32 - _MANTISSA_BITS
     bits.bitwise_and_((1 << _MANTISSA_BITS) - 1).bitwise_or_(_ONE_AS_INT32)  # logical shift; 1.0's exponent
-    u = bits.view(torch.float32).sub_(1 - 2.0 ** -(_MANTISSA_BITS + 1))  # [N, V]
+    u = bits.view(torch.float32).sub_(1 - 2.0 ** -(_MANTISSA_BITS + 1))  # [N, K]
     return u.log_()  # < 0; exact u keeps -log u's precision where it is small, where the race is won

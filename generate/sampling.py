@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from generate.noise import log_uniforms, row_key
+from generate.noise import row_key
+from generate.race import exponential_race
 
 
 class SamplingRow(NamedTuple):
@@ -53,6 +54,7 @@ class SamplingTensors:
     noise_key: torch.Tensor  # [N] int32: (seed, position) mixed, see generate/noise.py
     all_greedy: bool
     any_greedy: bool
+    unit_temperature: bool  # every row's temperature is 0 or 1: no division
     k_max: int  # largest top-k in use, capped at the vocabulary; 0: no row uses top-k
     nucleus_rows: torch.Tensor | None  # [n] rows with top_p < 1; None: none
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, tokens, values; None: no row has any
@@ -89,6 +91,7 @@ class SamplingTensors:
             noise_key=get(keys).int(),
             all_greedy=all(row.temperature == 0 for row in rows),
             any_greedy=any(row.temperature == 0 for row in rows),
+            unit_temperature=all(row.temperature in (0, 1) for row in rows),
             k_max=min(max((row.top_k for row in rows), default=0), vocab_size),
             nucleus_rows=nucleus_t.long() if nucleus else None,
             bias=(bias_t[:, 0].long(), bias_t[:, 1].long(), bias_t[:, 2].float()) if bias else None,
@@ -133,9 +136,9 @@ def _count(pairs: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits [N, V] float32 -> [N] long
-    """An exponential race over the tokens top-k and top-p keep: argmax(p / E), p = softmax(logits / T)
-    and E = -log u ~ Exp(1) keyed by (seed, position, token), is a draw from p, and it changes only
-    where two candidates are within the logits' rounding of each other. Greedy rows take the argmax."""
+    """A draw from p = softmax(logits / T) over the tokens top-k and top-p keep, by an exponential race
+    keyed by (seed, position, token): it changes only where two candidates are within the logits'
+    rounding of each other. Greedy rows take the argmax."""
     logits = adjust_logits(logits, t)
     greedy = logits.argmax(dim=-1) if t.any_greedy else None  # [N]
     if t.all_greedy:
@@ -145,11 +148,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits 
     if t.nucleus_rows is not None:  # only these rows pay for a full sort
         rows = t.nucleus_rows
         logits = logits.index_copy(0, rows, _mask_top_p(logits[rows], t.temperature[rows], t.top_p[rows]))
-    scaled = logits / t.temperature.clamp(min=1e-5).unsqueeze(1)  # [N, V]
-    probs = torch.softmax(scaled, dim=-1)  # [N, V]
-    log_u = log_uniforms(t.noise_key, logits.shape[1], out=scaled)  # [N, V], over scaled
-    # p / E = -p / log u: the winner has the most negative p / log u (a masked token's is 0)
-    drawn = probs.div_(log_u).argmin(dim=-1)  # [N]
+    if not t.unit_temperature:  # greedy rows' draws are thrown away, whatever their temperature does
+        logits = logits / t.temperature.clamp(min=1e-5).unsqueeze(1)  # [N, V]
+    drawn = exponential_race(torch.softmax(logits, dim=-1), t.noise_key)  # [N]
     return drawn if greedy is None else torch.where(t.temperature == 0, greedy, drawn)
 
 

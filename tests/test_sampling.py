@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from generate.noise import log_uniforms, row_key
+from generate.noise import id_hashes, log_uniforms, row_key
+from generate.race import exponential_race
 from generate.sampler import Sampler
 from generate.sampling import SamplingRow, SamplingTensors, adjust_logits, sample
 from generate.sequence import SamplingParams, Sequence
@@ -108,6 +109,31 @@ def test_draws_follow_the_distribution_the_settings_define(temperature: float, t
     tokens = draw(LOGITS_8, 20_000, temperature, top_k, top_p, seed=17)
     assert chi_square_p_value(tokens, probs) > 1e-6
     assert {t for t, q in enumerate(probs) if q > 0} == set(tokens)  # every kept token shows up, and only those
+
+
+@pytest.mark.parametrize(
+    ("vocab", "heavy"),
+    [
+        (11, {0: 1.0, 2: 0.5, 9: 2.0, 10: 1.5}),  # groups of 3: the last, of 2, ends on token 10
+        (50257, {0: 1.0, 223: 0.3, 224: 0.6, 40_000: 1.2, 50_175: 0.8, 50_176: 0.9, 50_256: 1.5}),
+    ],
+)
+def test_the_race_in_groups_draws_each_token_by_its_weight(vocab: int, heavy: dict[int, float]) -> None:
+    # The two-round race over groups of isqrt(V) tokens, a short last group among them: tokens at the
+    # groups' edges and in the last group (its last token entered more than once) are drawn by weight.
+    # The other tokens share 5 % of the mass, so a group's weight being miscounted shows too.
+    rest = 0.05 * sum(heavy.values()) / (vocab - len(heavy))
+    weights = torch.full((vocab,), rest, dtype=torch.float64)
+    for token, weight in heavy.items():
+        weights[token] = weight
+    probs = (weights / weights.sum()).tolist()
+    lumped = [sum(p for i, p in enumerate(probs) if i not in heavy)]  # the light tokens as one outcome
+    n = 20_000
+    keys = torch.tensor([row_key(9, position) for position in range(n)], dtype=torch.int32)
+    drawn = exponential_race(weights.float().expand(n, -1).contiguous(), keys).tolist()
+    outcome = {token: i for i, token in enumerate(heavy)}
+    tokens = [outcome.get(t, len(heavy)) for t in drawn]
+    assert chi_square_p_value(tokens, [probs[t] for t in heavy] + lumped) > 1e-6
 
 
 def test_the_chi_square_check_rejects_a_sampler_that_is_slightly_off() -> None:
@@ -239,8 +265,7 @@ def test_a_small_change_of_the_logits_seldom_changes_a_token(temperature: float,
 
 def python_log_uniform(seed: int, position: int, token: int) -> float:
     """The noise's definition in plain Python integers (unsigned, masked): splitmix64 of (seed, position),
-    lowbias32 of the token, lowbias32's last round and a half of both (its middle shift 16), the top 23
-    bits as a uniform."""
+    lowbias32 of the token, lowbias32's last round and a half of both, the top 23 bits as a uniform."""
     mask64, mask32 = (1 << 64) - 1, (1 << 32) - 1
 
     def splitmix64(x: int) -> int:
@@ -256,7 +281,7 @@ def python_log_uniform(seed: int, position: int, token: int) -> float:
 
     key = splitmix64((splitmix64(seed) + position) & mask64) & mask32
     bits = ((key ^ lowbias32((token * 0x9E3779B9) & mask32)) * 0x7FEB352D) & mask32
-    bits = ((bits ^ (bits >> 16)) * 0x846CA68B) & mask32
+    bits = ((bits ^ (bits >> 15)) * 0x846CA68B) & mask32
     u = ((bits >> 9) + 0.5) / 2**23  # the top 23 bits
     return math.log(u)
 
@@ -266,7 +291,7 @@ def test_the_noise_is_the_hash_its_definition_gives_on_this_machine() -> None:
     # any machine where they do not gives other noise, and fails here.
     cases = [(0, 0), (1, 5), (2**63 - 1, 2**31 - 1), (12345678901234567, 100_000), (2**40 + 3, 7)]
     keys = torch.tensor([row_key(seed, position) for seed, position in cases], dtype=torch.int32)
-    noise = log_uniforms(keys, 50257)  # [5, V]
+    noise = log_uniforms(keys, id_hashes(50257, torch.device("cpu")))  # [5, V]
     for row, (seed, position) in enumerate(cases):
         for token in (0, 1, 2, 31337, 50256):
             assert noise[row, token].item() == pytest.approx(python_log_uniform(seed, position, token), rel=1e-6)
@@ -274,7 +299,7 @@ def test_the_noise_is_the_hash_its_definition_gives_on_this_machine() -> None:
 
 def test_the_noise_is_uniform_and_independent_of_its_neighbours() -> None:
     keys = torch.tensor([row_key(seed, position) for seed in range(4) for position in range(16)], dtype=torch.int32)
-    log_u = log_uniforms(keys, 50257).double()  # [64, V]
+    log_u = log_uniforms(keys, id_hashes(50257, torch.device("cpu"))).double()  # [64, V]
     assert torch.isfinite(log_u).all() and (log_u < 0).all()  # E = -log u in (0, inf)
     u = log_u.exp().flatten()
     sorted_u = u.sort().values
