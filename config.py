@@ -24,11 +24,11 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8500
     device: str = ""  # empty: cuda if available, else cpu
-    dtype: str = ""  # empty: float16 on cuda, float32 on cpu; ENGINE=sim: the simulated model's (16-bit)
+    dtype: str = ""  # empty: generate.engine.default_dtype; ENGINE=sim: the simulated model's (16-bit)
     max_batch_size: int = 256
     max_batch_tokens: int = 0  # per-step token budget; 0: 256 on CPU, 2048 on CUDA and simulated GPUs
     chunked_prefill: bool = True  # off: a prompt is prefilled in one step, so the budget must cover a context
-    kv_cache_gb: float = 0.0  # 0: 4 GB on cpu, 90% of free memory on cuda
+    kv_cache_gb: float = 0.0  # 0: kvcache.pool_size.default_budget_bytes (4 GB or half the free memory on cpu)
     kv_cache_blocks: int = 0  # > 0 overrides kv_cache_gb (tests, tiny pools)
     block_size: int = 16
     prefix_cache: bool = True

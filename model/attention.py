@@ -2,17 +2,18 @@
 
 A step's attention object is built by the engine from the scheduled sequences and called
 by every layer: `attend(q, k_cache, v_cache)` returns each query row's attention output.
-  reference  gathers each sequence's cache blocks into a dense buffer and runs
-             scaled_dot_product_attention with a mask: plain PyTorch, any device, the oracle;
+  reference  gathers each sequence's cache blocks into a dense buffer and attends with two
+             batched matrix products and a mask: plain PyTorch, any device, the oracle;
   triton     (model/triton_attention.py) reads keys and values through the block tables in
              place, with an online softmax: no gather, no padding to the longest context.
 """
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 BACKENDS = ("reference", "triton")
 
@@ -52,6 +53,35 @@ class AttentionGroup:
     out_rows: torch.Tensor  # [N] the step's rows those outputs are
 
 
+def paged_cache(
+    *leading: int,
+    blocks: int,
+    block_size: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Keys or values as [..., NB, bs, H, D], stored head by head within each leading index (a layer's
+    keys, say): each head's block is one contiguous bs x D tile. The Triton kernel reads the view
+    through its strides; the reference backend gathers whole tiles, which land as [H, B, Lk, D], ready
+    for batched matrix products (from the token-major layout its products ran on strided operands,
+    3-6x slower on a CPU). Zeros, as padding rows must read finite values."""
+    shape = (*leading, heads, blocks, block_size, head_dim)
+    return _zeros(shape, dtype, torch.device(device)).movedim(-4, -2)  # [..., NB, bs, H, D]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """On a CPU, zeros in an anonymous memory mapping: the OS gives each page zeroed when it is first
+    written, so memory becomes resident as blocks come into use, not all at start (torch.zeros would
+    write every page of a 4 GB pool)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    pages = mmap.mmap(-1, max(1, count * dtype.itemsize))  # the tensor keeps it mapped
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+
+
 class GatherSpace:
     """One reusable pair of buffers for the keys/values each attention group copies out of the paged cache.
 
@@ -61,16 +91,19 @@ class GatherSpace:
     """
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None  # [rows, bs, H, D], rows >= any group's blocks so far
+        self.k: torch.Tensor | None = None  # flat, as large as any group's keys so far
         self.v: torch.Tensor | None = None
 
     def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = blocks.numel()
-        if self.k is None or self.k.shape[0] < n or self.k.dtype != k_cache.dtype or self.k.device != k_cache.device:
-            self.k = k_cache.new_empty((n, *k_cache.shape[1:]))
-            self.v = torch.empty_like(self.k)
-        k = torch.index_select(k_cache, 0, blocks, out=self.k[:n])  # [n, bs, H, D]
-        v = torch.index_select(v_cache, 0, blocks, out=self.v[:n])  # [n, bs, H, D]
+        """The blocks' keys and values, head by head: [H, n, bs, D] each (contiguous), from [NB, bs, H, D] caches."""
+        _, bs, H, D = k_cache.shape
+        shape = (H, blocks.numel(), bs, D)
+        size = math.prod(shape)
+        if self.k is None or self.k.numel() < size or self.k.dtype != k_cache.dtype or self.k.device != k_cache.device:
+            self.k, self.v = k_cache.new_empty(size), k_cache.new_empty(size)
+        # [H, NB, bs, D] views of the caches: the paged layout's tiles, whole
+        k = torch.index_select(k_cache.permute(2, 0, 1, 3), 1, blocks, out=self.k[:size].view(shape))
+        v = torch.index_select(v_cache.permute(2, 0, 1, 3), 1, blocks, out=self.v[:size].view(shape))
         return k, v
 
 
@@ -89,13 +122,17 @@ class ReferenceAttention:
         return out
 
     def _attend_group(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+        """Attention written out as two batched products over the (head, sequence) pairs: on a CPU,
+        scaled_dot_product_attention with a mask runs single-query rows 2-6x slower (in bfloat16 the
+        most). The scores go through the softmax in float32, as transformers' eager attention does."""
         B, Lq = group.query_index.shape
         _, _, H, D = k_cache.shape
         # whole blocks: contiguous copies, far faster than per-key gathers
-        k, v = self.space.gather(k_cache, v_cache, group.key_blocks.flatten())  # [B*nb, bs, H, D] each
-        q = q[group.query_index].transpose(1, 2)  # [B, H, Lq, D]
-        k = k.view(B, -1, H, D).transpose(1, 2)  # [B, H, Lk, D]
-        v = v.view(B, -1, H, D).transpose(1, 2)  # [B, H, Lk, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask)  # [B, H, Lq, D]
-        y = y.transpose(1, 2).reshape(B * Lq, -1)  # [B*Lq, C]
+        k, v = self.space.gather(k_cache, v_cache, group.key_blocks.flatten())  # [H, B*nb, bs, D] each
+        k, v = k.view(H * B, -1, D), v.view(H * B, -1, D)  # [H*B, Lk, D]
+        q = (q[group.query_index] * D**-0.5).permute(2, 0, 1, 3).reshape(H * B, Lq, D)  # [H*B, Lq, D]
+        scores = torch.bmm(q, k.transpose(1, 2)).view(H, B, Lq, -1).float()  # [H, B, Lq, Lk]
+        scores.masked_fill_(group.mask.transpose(0, 1).logical_not(), -math.inf)  # mask [1, B, Lq, Lk]
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(H * B, Lq, -1)  # [H*B, Lq, Lk]
+        y = torch.bmm(probs, v).view(H, B * Lq, D).transpose(0, 1).reshape(B * Lq, H * D)  # [B*Lq, C]
         return y if group.valid_rows is None else y[group.valid_rows]  # [rows, C]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model.attention import StepAttention
+from model.attention import StepAttention, paged_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +120,16 @@ class GPT(nn.Module):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c, p = self.config, self.wte.weight
-        shape = (c.n_layer, 2, num_blocks, block_size, c.n_head, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.kv_cache = paged_cache(
+            c.n_layer,
+            2,
+            blocks=num_blocks,
+            block_size=block_size,
+            heads=c.n_head,
+            head_dim=c.head_dim,
+            dtype=p.dtype,
+            device=p.device,
+        )  # [L, 2, NB, bs, H, D], head by head
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:

@@ -3,6 +3,7 @@
 import torch
 
 from generate.sequence import Sequence
+from model.attention import paged_cache
 
 H, D = 4, 64  # GPT-2's head dimension
 
@@ -13,6 +14,17 @@ SHAPES = {
     "chunks": [(7, 7), (16, 32), (33, 40), (5, 16), (1, 9), (1, 48)],
     "whole prompt": [(1024, 1024)],
 }
+
+
+LAYOUTS = ["head-major", "token-major"]  # the model's cache (model.attention.paged_cache), and a plain tensor
+
+
+def random_cache(layout: str, num_blocks: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
+    """[NB, bs, H, D] of standard normal values, stored as `layout` says."""
+    values = torch.randn((num_blocks, block_size, H, D), generator=gen)
+    if layout == "token-major":
+        return values
+    return paged_cache(blocks=num_blocks, block_size=block_size, heads=H, head_dim=D).copy_(values)
 
 
 def scheduled(block_size: int, num_blocks: int, shapes: list[tuple[int, int]], seed: int) -> list[Sequence]:

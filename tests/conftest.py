@@ -16,6 +16,17 @@ if not torch.cuda.is_available():
     # The Triton kernel's tests run it on CPU tensors through Triton's interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The oracle is transformers in float32, so tests run in float32 unless they ask for another dtype: servers
+# they start inherit DTYPE, and engines built in process get float32 as the CPU's default (which is
+# bfloat16 on CPUs that compute it natively: test_server.py checks that choice).
+os.environ.setdefault("DTYPE", "float32")
+
+
+@pytest.fixture(autouse=True)
+def float32_by_default(monkeypatch):
+    monkeypatch.setattr("generate.engine.native_bfloat16", lambda: False)
+
+
 # Spread-out random weights, so greedy continuations vary token to token and any error
 # in positions or cached keys/values changes the output (GPT-2's 0.02 gives one token repeated).
 TINY = dict(n_layer=2, n_head=4, n_embd=64, n_positions=1024, initializer_range=0.5)

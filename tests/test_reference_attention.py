@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from attention_oracle import SHAPES, D, H, dense_attention, scheduled
+from attention_oracle import LAYOUTS, SHAPES, D, H, dense_attention, random_cache, scheduled
 
 from generate.step_input import reference_groups
 from model.attention import GatherSpace, ReferenceAttention
@@ -15,10 +15,11 @@ MIXED += [(1, 64), (1, 16), (1, 1000)]
 
 @pytest.mark.parametrize("shapes", [*SHAPES, "mixed"])
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_reference_equals_dense_attention(shapes, block_size):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reference_equals_dense_attention(shapes, block_size, layout):
     seqs = scheduled(block_size, num_blocks=1200, shapes=SHAPES.get(shapes, MIXED), seed=len(shapes))
     gen = torch.Generator().manual_seed(0)
-    caches = [torch.randn((1200, block_size, H, D), generator=gen) for _ in range(2)]
+    caches = [random_cache(layout, 1200, block_size, gen) for _ in range(2)]
     rows = sum(s.num_scheduled_tokens for s in seqs)
     q = torch.randn((rows, H, D), generator=gen)
     groups = reference_groups(seqs, block_size, CPU)

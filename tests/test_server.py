@@ -6,8 +6,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+import torch
 
 from client.launch import ROOT, running_server, server_env
+from model.cpu_features import BFLOAT16_FLAGS, cpu_flags
 from model.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer()
@@ -59,6 +61,20 @@ def test_greedy_output_equals_transformers_in_every_mode(mode, settings, hf_gree
         assert 0 < result["ttft_s"] <= result["latency_s"]
     assert stats["mode"] == mode
     assert (stats["requests_completed"], stats["tokens_generated"]) == (8, sum(counts))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's default dtype")
+def test_with_dtype_unset_the_server_runs_bfloat16_where_the_cpu_computes_it_and_says_so(
+    settings, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("DTYPE", raising=False)
+    with running_server("dynamic", tmp_path, **settings) as url:
+        device = requests.get(f"{url}/stats/timeline", timeout=10).json()["server"]["device"]
+        result = post(url, {"prompt": "The lighthouse keeper", "num_tokens": 5, "temperature": 0}).json()
+    expected = "bfloat16" if cpu_flags() & set(BFLOAT16_FLAGS) else "float32"  # /proc/cpuinfo, not torch's probe
+    assert device == f"cpu {expected}"
+    assert f"DTYPE unset: torch.{expected}" in "".join(p.read_text() for p in tmp_path.glob("server-*.log"))
+    assert len(result["token_ids"]) == 5
 
 
 def test_64_concurrent_requests_each_equal_their_answer_alone(dynamic, hf_greedy):

@@ -7,7 +7,7 @@ and graph capture and replay.
 
 import pytest
 import torch
-from attention_oracle import SHAPES, D, H, dense_attention, scheduled
+from attention_oracle import LAYOUTS, SHAPES, D, H, dense_attention, random_cache, scheduled
 from conftest import random_prompts
 from test_model import make_engine
 
@@ -32,12 +32,13 @@ CASES = [
 
 
 @pytest.mark.parametrize(("shapes", "dtype", "block_size"), CASES)
-def test_kernel_equals_dense_attention(shapes, dtype, block_size):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_equals_dense_attention(shapes, dtype, block_size, layout):
     if dtype == torch.bfloat16 and not torch.cuda.is_available() and shapes in ("chunks", "whole prompt"):
         pytest.skip("Triton's interpreter gets tl.dot of bfloat16 wrong (numpy has no bfloat16): a GPU run checks it")
     seqs = scheduled(block_size, num_blocks=600, shapes=SHAPES[shapes], seed=len(shapes))
     gen = torch.Generator().manual_seed(0)
-    caches = [torch.randn((600, block_size, H, D), generator=gen).to(DEVICE, dtype) for _ in range(2)]
+    caches = [random_cache(layout, 600, block_size, gen).to(DEVICE, dtype) for _ in range(2)]
     rows = sum(s.num_scheduled_tokens for s in seqs)
     q = torch.randn((rows, 3 * H * D), generator=gen).to(DEVICE, dtype)[:, : H * D].view(rows, H, D)  # strided
     expected = dense_attention(q.cpu(), *(c.cpu() for c in caches), seqs, block_size)
