@@ -93,7 +93,8 @@ def sim_settings(directory: Path, step_s: float) -> dict[str, str]:
         "[fixed-step]\nflops = 1e18\nbandwidth = 1e18\nmemory_gib = 80\n"
         f"compute_efficiency = 1.0\nbandwidth_efficiency = 1.0\nstep_overhead_s = {step_s}\n"
     )
-    return {"ENGINE": "sim", "SIM_MODEL": "gpt2", "SIM_GPU": str(profile)}
+    # DTYPE unset: the simulated model's own (16-bit), not the float32 the real engine's tests run in
+    return {"ENGINE": "sim", "SIM_MODEL": "gpt2", "SIM_GPU": str(profile), "DTYPE": ""}
 
 
 def random_prompts(lengths: list[int], seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
