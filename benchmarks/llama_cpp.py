@@ -14,6 +14,7 @@ python -m benchmarks.llama_cpp --model gpt2-medium --server-env DTYPE=bfloat16 -
 
 import argparse
 import functools
+import json
 import math
 import os
 import random
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=Path("results/llama_cpp/checkpoints"))
     parser.add_argument("--out", type=Path, help="results.json and report.md (default: results/llama_cpp/MODEL)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    parser.add_argument("--rebuild", action="store_true", help="only rewrite report.md from --out's results.json")
     args = parser.parse_args(argv)
     args.prompt_tokens, args.new_tokens = _range(parser, args.prompt_tokens), _range(parser, args.new_tokens)
     args.shapes, args.systems = args.shapes.split(","), args.systems.split(",")
@@ -187,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.slo = {}  # client.benchmark.record's goodput: none here
+    if args.rebuild:
+        return publish(json.loads((args.out / "results.json").read_text()), args.out)
     if any(system in LLAMA_SYSTEMS for system in args.systems):
         missing = llama_server.missing_binary(args.llama_server)
         if missing:
@@ -207,8 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         restore_signals()
     results["machine"]["load_after"] = os.getloadavg()
     write_results(results, args.out)
-    write_report(args.out / "report.md", results)
-    print(f"\n{results['title']}\n{summary_table(results['runs'], markdown=False)}\nresults in {args.out}/")
+    return publish(results, args.out)
+
+
+def publish(results: dict[str, Any], out: Path) -> int:
+    """Write report.md, print the summary; the exit status: 1 if a request failed."""
+    write_report(out / "report.md", results)
+    print(f"\n{results['title']}\n{summary_table(results['runs'], markdown=False)}\nresults in {out}/")
     return 1 if any(run["summary"]["requests_failed"] for run in results["runs"]) else 0
 
 

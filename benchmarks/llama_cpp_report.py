@@ -41,9 +41,11 @@ def same_outputs(a: dict[str, Any], b: dict[str, Any]) -> int:
 
 def summary_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """One row per load shape and system, averaged over its rounds; equal outputs against this server's first run
-    of the shape (for this server: its later rounds against its first)."""
+    of the shape (for this server: its later rounds against its first). Others' cores are what else kept the
+    machine busy meanwhile: on a shared machine, the column that says which figures compare."""
     header = ["shape", "system", "rounds", "out tok/s", f"vs {REFERENCE}", "TTFT p50 ms", "TTFT p99 ms"]
-    header += ["ITL p50 ms", "ITL p99 ms", "peak PSS MiB", "peak RSS MiB", "ok", f"outputs = {REFERENCE}"]
+    header += ["ITL p50 ms", "ITL p99 ms", "peak PSS MiB", "peak RSS MiB", "server cores", "others' cores", "ok"]
+    header.append(f"outputs = {REFERENCE}")
     rows = []
     for shape in dict.fromkeys(run["shape"] for run in runs):
         of_shape = [run for run in runs if run["shape"] == shape]
@@ -61,6 +63,8 @@ def _cells(group: list[dict[str, Any]], base_tps: float | None, reference: dict[
     fmt = lambda value, spec=".1f": "-" if value is None else format(value, spec)
     tps = mean(r["summary"]["output_tokens_per_s"] for r in group)
     peak = lambda kind: max((r["memory"][kind] or 0 for r in group if r.get("memory")), default=None)
+    # cores busy on average (client.cpu): the server's, and the machine's less the server's and the client's
+    cores = lambda key: mean(r["cpu"][key] for r in group if r.get("cpu")) if any(r.get("cpu") for r in group) else None
     compared = [r for r in group if r is not reference] if reference else []
     equal = f"{sum(same_outputs(reference, r) for r in compared)}/{sum(len(r['requests']) for r in compared)}"
     return [
@@ -73,6 +77,8 @@ def _cells(group: list[dict[str, Any]], base_tps: float | None, reference: dict[
         fmt(average("itl_ms", "p99")),
         fmt(peak("pss_mib"), ".0f"),
         fmt(peak("rss_mib"), ".0f"),
+        fmt(cores("server"), ".2f"),
+        fmt(cores("other"), ".2f"),
         f"{sum(r['summary']['requests_ok'] for r in group)}/{sum(len(r['requests']) for r in group)}",
         equal if compared else "-",
     ]
