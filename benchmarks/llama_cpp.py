@@ -36,6 +36,7 @@ from client.memory import PeakMemory
 from client.metrics import RequestResult
 from client.stream import stream_completion
 from client.workloads import CONTEXT, Request, Workload
+from config import Settings
 from model.gpt2 import PRESETS
 from model.tokenizer import EOT_ID
 
@@ -44,9 +45,8 @@ LLAMA_FLAGS = "--parallel 16 -c 16384"  # 16 slots of GPT-2's whole 1024-token c
 OURS = "ours"
 LLAMA_SYSTEMS = {"llama-f16": "f16", "llama-f32": "f32"}  # run name -> GGUF type
 CB = "transformers-cb"
-# Its KV pool: 1 GB holds the 64 requests at once, as llama-server's 16 x 1024-token slots hold 16 (and a 2-core
-# machine running two servers in turn needs no more)
-SERVER_ENV = {"KV_CACHE_GB": "1"}
+# llama-server's -c in LLAMA_FLAGS: this server's KV pool holds as many tokens (unless --server-env sizes it)
+KV_TOKENS = 16384
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join([OURS, *LLAMA_SYSTEMS]), help="which to run, in this order")
     parser.add_argument("--with-transformers-cb", action="store_true", help=f"also {CB}, offline, after each round")
     parser.add_argument(
-        "--server-env", action="append", default=[], help=f"KEY=VALUE for ./server.sh, repeatable, over {SERVER_ENV}"
+        "--server-env",
+        action="append",
+        default=[],
+        help=f"KEY=VALUE for ./server.sh, repeatable (and a KV pool of {KV_TOKENS} tokens)",
     )
     parser.add_argument("--llama-server", type=Path, default=Path(os.environ.get("LLAMA_SERVER", "llama-server")))
     parser.add_argument("--llama-flags", default=LLAMA_FLAGS, help=f"llama-server's flags (default: {LLAMA_FLAGS})")
@@ -86,8 +89,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"the longest prompt and output must fit GPT-2's {CONTEXT} tokens")
     if any("=" not in pair for pair in args.server_env):
         parser.error("--server-env takes KEY=VALUE")
-    args.server_env = SERVER_ENV | dict(pair.split("=", 1) for pair in args.server_env)
+    args.server_env = server_env(dict(pair.split("=", 1) for pair in args.server_env))
     return args
+
+
+def server_env(given: dict[str, str]) -> dict[str, str]:
+    """./server.sh's settings: `given`, and a KV pool of KV_TOKENS tokens unless `given` sizes it."""
+    if "KV_CACHE_GB" in given or "KV_CACHE_BLOCKS" in given:
+        return given
+    block = int(given.get("BLOCK_SIZE", Settings().block_size))
+    return {"KV_CACHE_BLOCKS": str(-(-KV_TOKENS // block))} | given
 
 
 def _range(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
@@ -143,7 +154,6 @@ def run_served(
 def run_cb(load: Workload, hf_dir: Path) -> tuple[list[RequestResult], float, dict[str, Any]]:
     """transformers' continuous batching in this process (client/baseline_cb.py), its peak memory the process's."""
     from client.baseline_cb import run_cb_baseline  # transformers: only when asked for
-    from config import Settings
     from model.tokenizer import load_tokenizer
 
     with PeakMemory(os.getpid()) as memory:

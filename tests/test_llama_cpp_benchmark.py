@@ -54,6 +54,15 @@ def test_bad_arguments_are_refused(capsys):
     assert "--server-env takes KEY=VALUE" in capsys.readouterr().err
 
 
+def test_the_servers_kv_pool_holds_llama_servers_context_unless_sized_by_hand():
+    """KV_CACHE_BLOCKS overrides KV_CACHE_GB in the server, so a default pool must not come with a user's size."""
+    args = parse_args([])
+    blocks, block = int(args.server_env["KV_CACHE_BLOCKS"]), 16
+    assert blocks * block == int(args.llama_flags.split("-c ")[1].split()[0])
+    sized = parse_args(["--server-env", "KV_CACHE_GB=2", "--server-env", "DTYPE=bfloat16"]).server_env
+    assert sized == {"KV_CACHE_GB": "2", "DTYPE": "bfloat16"}
+
+
 def test_a_missing_llama_server_is_one_line_naming_the_flag_and_the_readme(tmp_path, capsys):
     assert main(["--llama-server", str(tmp_path / "nowhere"), "--work-dir", str(tmp_path)]) == 2
     error = capsys.readouterr().err.strip()
