@@ -19,6 +19,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -81,6 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.shapes, args.systems = args.shapes.split(","), args.systems.split(",")
     args.systems += [CB] if args.with_transformers_cb else []
     args.out = args.out or Path("results/llama_cpp") / args.model
+    args.llama_server = Path(shutil.which(args.llama_server) or args.llama_server)  # a name: found on PATH
     if not set(args.shapes) <= set(SHAPES) or not set(args.systems) <= {OURS, CB, *LLAMA_SYSTEMS}:
         parser.error(f"--shapes from {', '.join(SHAPES)}; --systems from {', '.join([OURS, *LLAMA_SYSTEMS])}")
     if min(args.numsamples, args.repeats) < 1 or not args.rate > 0:
@@ -206,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"benchmark: {missing}", file=sys.stderr)
             return 2
-    files = prepare(args.model, args.seed, args.work_dir, args.llama_src)
+    try:
+        files = prepare(args.model, args.seed, args.work_dir, args.llama_src)
+    except FileNotFoundError as exc:  # no GGUF yet and no converter to make it
+        print(f"benchmark: {exc}", file=sys.stderr)
+        return 2
     results = {
         "title": f"random {args.model} (seed {args.seed}), {args.numsamples} greedy requests: ours and llama.cpp",
         "command": " ".join(["python -m benchmarks.llama_cpp", *map(shlex.quote, argv)]),
