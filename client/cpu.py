@@ -52,6 +52,11 @@ def usage(before: CpuSample | None, after: CpuSample | None) -> dict[str, float]
     return used
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and every process it started, still running (none if `root` is gone)."""
+    return _descendants(root, _process_stats())
+
+
 def _machine_busy_s() -> float:
     # cpu  user nice system idle iowait irq softirq steal ...: all cores, in clock ticks
     user, nice, system, _idle, _iowait, irq, softirq = map(int, (PROC / "stat").read_text().split()[1:8])

@@ -82,16 +82,19 @@ def start_server(mode: str, log_dir: Path, port: int | None = None, **settings: 
     """./server.sh MODE on `port` (default: a free one), healthy; its process (a session leader) and its URL.
     Exposed (HOST=0.0.0.0) it runs its front door there, and the server itself on port + 1."""
     port = port or free_port(following=1)
-    return _start([str(ROOT / "server.sh"), mode], log_dir / f"server-{mode}-{port}.log", port, **settings)
+    return start_command([str(ROOT / "server.sh"), mode], log_dir / f"server-{mode}-{port}.log", port, **settings)
 
 
 def start_cluster(args: list[str], log_dir: Path, **settings: str) -> tuple[subprocess.Popen, str]:
     """./cluster.sh ARGS (N MODE, or none with REPLICAS_AT) on a free port, healthy through HAProxy."""
     port = free_port(following=int(args[0]) if args else 0)
-    return _start([str(ROOT / "cluster.sh"), *args], log_dir / f"cluster-{port}.log", port, **settings)
+    return start_command([str(ROOT / "cluster.sh"), *args], log_dir / f"cluster-{port}.log", port, **settings)
 
 
-def _start(command: list[str], log: Path, port: int, **settings: str) -> tuple[subprocess.Popen, str]:
+def start_command(command: list[str], log: Path, port: int, **settings: str) -> tuple[subprocess.Popen, str]:
+    """Any HTTP server listening on `port` with a /health route (./server.sh, ./cluster.sh, a peer's server),
+    started in its own session with `settings` in its environment, output to `log`, stopped by a signal as
+    stop_all_on_signal says; healthy: its process and its URL."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             command,

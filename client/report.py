@@ -131,6 +131,11 @@ def cpu_table(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def render(header: list[str], rows: list[list[str]], labels: int, markdown: bool) -> str:
+    """A table as Markdown or as aligned text, its first `labels` columns names and the rest numbers."""
+    return (_markdown if markdown else _text)(header, rows, labels)
+
+
 def _text(header: list[str], rows: list[list[str]], labels: int) -> str:
     """Aligned columns: the first `labels` to the left, numbers to the right."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -1,0 +1,241 @@
+"""This server against llama.cpp's llama-server on CPU, side by side, on one random GPT-2 checkpoint.
+
+The checkpoint is drawn once from --seed, written as a Hugging Face directory (what this server loads) and
+converted by llama.cpp's own convert_hf_to_gguf.py to f32 and f16 GGUF (what llama-server loads); both are
+kept in --work-dir, so a rerun converts nothing. Every system gets the same greedy requests (random token-id
+prompts, exact lengths, end-of-text ignored), all at once and then arriving about one a second, streamed;
+runs alternate (ours, llama f16, llama f32, ours, ...) --repeats times. Each is measured for output tokens/s,
+TTFT and inter-token latency, the peak memory of its whole process tree, and how many greedy outputs equal
+this server's. Results go to --out as results.json and report.md.
+
+python -m benchmarks.llama_cpp --llama-server ../llama/bin/llama-server --llama-src LLAMA_CPP_SOURCE
+python -m benchmarks.llama_cpp --model gpt2-medium --server-env DTYPE=bfloat16 --with-transformers-cb
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import random
+import shlex
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks import llama_server
+from benchmarks.gguf_files import prepare
+from benchmarks.llama_cpp_report import machine, summary_table, write_report
+from client import cpu
+from client.benchmark import RunSpec, keep_logs, record, write_results
+from client.client import run_load
+from client.data import arrival_offsets
+from client.launch import start_server, stop_all_on_signal, stop_server
+from client.memory import PeakMemory
+from client.metrics import RequestResult
+from client.stream import stream_completion
+from client.workloads import CONTEXT, Request, Workload
+from config import Settings
+from model.gpt2 import PRESETS
+from model.tokenizer import EOT_ID
+
+SHAPES = ("all-at-once", "one-per-second")
+LLAMA_FLAGS = "--parallel 16 -c 16384"  # 16 slots of GPT-2's whole 1024-token context
+OURS = "ours"
+LLAMA_SYSTEMS = {"llama-f16": "f16", "llama-f32": "f32"}  # run name -> GGUF type
+CB = "transformers-cb"
+# llama-server's -c in LLAMA_FLAGS: this server's KV pool holds as many tokens (unless --server-env sizes it)
+KV_TOKENS = 16384
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2", choices=sorted(PRESETS), help="architecture of the random weights")
+    parser.add_argument("--seed", type=int, default=0, help="draws the weights and the requests")
+    parser.add_argument("--numsamples", type=int, default=64)
+    parser.add_argument("--prompt-tokens", default="16,256", help="prompt lengths, uniform in MIN,MAX")
+    parser.add_argument("--new-tokens", default="16,128", help="output lengths, uniform in MIN,MAX")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="load shapes, from " + ", ".join(SHAPES))
+    parser.add_argument("--rate", type=float, default=1.0, help="one-per-second's arrivals per second")
+    parser.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson", help="one-per-second's gaps")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of alternated runs")
+    parser.add_argument("--systems", default=",".join([OURS, *LLAMA_SYSTEMS]), help="which to run, in this order")
+    parser.add_argument("--with-transformers-cb", action="store_true", help=f"also {CB}, offline, after each round")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        help=f"KEY=VALUE for ./server.sh, repeatable (and a KV pool of {KV_TOKENS} tokens)",
+    )
+    parser.add_argument("--llama-server", type=Path, default=Path(os.environ.get("LLAMA_SERVER", "llama-server")))
+    parser.add_argument("--llama-flags", default=LLAMA_FLAGS, help=f"llama-server's flags (default: {LLAMA_FLAGS})")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t (default: all cores)")
+    parser.add_argument("--llama-src", type=Path, help="llama.cpp's source (its converter), to make the GGUF files")
+    parser.add_argument("--work-dir", type=Path, default=Path("results/llama_cpp/checkpoints"))
+    parser.add_argument("--out", type=Path, help="results.json and report.md (default: results/llama_cpp/MODEL)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    parser.add_argument("--rebuild", action="store_true", help="only rewrite report.md from --out's results.json")
+    args = parser.parse_args(argv)
+    args.prompt_tokens, args.new_tokens = _range(parser, args.prompt_tokens), _range(parser, args.new_tokens)
+    args.shapes, args.systems = args.shapes.split(","), args.systems.split(",")
+    args.systems += [CB] if args.with_transformers_cb else []
+    args.out = args.out or Path("results/llama_cpp") / args.model
+    args.llama_server = Path(shutil.which(args.llama_server) or args.llama_server)  # a name: found on PATH
+    if not set(args.shapes) <= set(SHAPES) or not set(args.systems) <= {OURS, CB, *LLAMA_SYSTEMS}:
+        parser.error(f"--shapes from {', '.join(SHAPES)}; --systems from {', '.join([OURS, *LLAMA_SYSTEMS])}")
+    if min(args.numsamples, args.repeats) < 1 or not args.rate > 0:
+        parser.error("--numsamples, --repeats and --rate must be positive")
+    if args.prompt_tokens[1] + args.new_tokens[1] > CONTEXT:
+        parser.error(f"the longest prompt and output must fit GPT-2's {CONTEXT} tokens")
+    if any("=" not in pair for pair in args.server_env):
+        parser.error("--server-env takes KEY=VALUE")
+    args.server_env = server_env(dict(pair.split("=", 1) for pair in args.server_env))
+    return args
+
+
+def server_env(given: dict[str, str]) -> dict[str, str]:
+    """./server.sh's settings: `given`, and a KV pool of KV_TOKENS tokens unless `given` sizes it."""
+    if "KV_CACHE_GB" in given or "KV_CACHE_BLOCKS" in given:
+        return given
+    block = int(given.get("BLOCK_SIZE", Settings().block_size))
+    return {"KV_CACHE_BLOCKS": str(-(-KV_TOKENS // block))} | given
+
+
+def _range(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        parser.error(f"a length range is MIN,MAX with 1 <= MIN <= MAX, got {text!r}")
+    return int(low), int(high)
+
+
+def requests_for(args: argparse.Namespace) -> list[Request]:
+    """The requests, the same for every shape and system: random token ids (end-of-text never among them)."""
+    rng = random.Random(f"llama-cpp:{args.seed}")
+    drawn = []
+    for i in range(args.numsamples):
+        prompt = [rng.randrange(EOT_ID) for _ in range(rng.randint(*args.prompt_tokens))]
+        drawn.append(Request(prompt, rng.randint(*args.new_tokens), args.seed * 1_000_000 + i))
+    return drawn
+
+
+def workload(shape: str, requests: list[Request], args: argparse.Namespace) -> Workload:
+    if shape == "all-at-once":
+        return Workload(shape, requests, arrival_offsets(len(requests), math.inf))
+    if args.arrivals == "fixed":
+        return Workload(shape, requests, [i / args.rate for i in range(len(requests))])
+    return Workload(shape, requests, arrival_offsets(len(requests), args.rate, args.seed))
+
+
+def run_served(
+    system: str, load: Workload, files: tuple[Path, dict[str, Path]], log_dir: Path, args: argparse.Namespace
+) -> tuple[list[RequestResult], float, dict[str, Any]]:
+    """Start `system`'s server, send `load`, stop it: the results, the run's wall time and what it ran with."""
+    hf_dir, ggufs = files
+    if system == OURS:
+        proc, url = start_server("dynamic", log_dir, MODEL=str(hf_dir.resolve()), **args.server_env)
+        send = functools.partial(stream_completion, url, temperature=0.0, timeout=args.timeout)
+        ran = {"command": "./server.sh dynamic", "env": {"MODEL": str(hf_dir), **args.server_env}}
+    else:
+        gguf = ggufs[LLAMA_SYSTEMS[system]]
+        flags = shlex.split(args.llama_flags)
+        proc, url, command = llama_server.start(args.llama_server, gguf, log_dir, args.threads, flags)
+        send = functools.partial(llama_server.stream_completion, url, timeout=args.timeout)
+        ran = {"command": shlex.join(command)}
+    try:
+        before = cpu.sample(proc.pid)
+        with PeakMemory(proc.pid) as memory:
+            results, duration_s = run_load(send, load.requests, load.offsets)
+        ran |= {"memory": memory.peaks_mib(), "cpu": cpu.usage(before, cpu.sample(proc.pid))}
+    finally:
+        stop_server(proc)
+    return results, duration_s, ran
+
+
+def run_cb(load: Workload, hf_dir: Path) -> tuple[list[RequestResult], float, dict[str, Any]]:
+    """transformers' continuous batching in this process (client/baseline_cb.py), its peak memory the process's."""
+    from client.baseline_cb import run_cb_baseline  # transformers: only when asked for
+    from model.tokenizer import load_tokenizer
+
+    with PeakMemory(os.getpid()) as memory:
+        results, duration_s, tokens, used = run_cb_baseline(load, Settings.from_env(model=str(hf_dir)), 0.0)
+    tokenizer = load_tokenizer()
+    results = [r._replace(text=tokenizer.decode(ids)) for r, ids in zip(results, tokens, strict=True)]
+    return results, duration_s, {"command": "client/baseline_cb.py", "settings": used, "memory": memory.peaks_mib()}
+
+
+def run_one(
+    system: str, load: Workload, files: tuple[Path, dict[str, Path]], log_dir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One system on one load shape: the run's record (client.benchmark.record's, and what it ran with)."""
+    if system == CB:
+        measured, duration_s, ran = run_cb(load, files[0])
+    else:
+        measured, duration_s, ran = run_served(system, load, files, log_dir, args)
+        keep_logs(log_dir, args.out / "logs")
+    label = f"{load.name} {system}"
+    run = record(RunSpec(label, system, {}, None), args.model, measured, duration_s, args, cpu=ran.pop("cpu", None))
+    return run | {"shape": load.name, "system": system, **ran}
+
+
+def run_all(args: argparse.Namespace, results: dict[str, Any], files: tuple[Path, dict[str, Path]]) -> None:
+    """Every shape x round x system, alternated; results.json rewritten after each run."""
+    requests = requests_for(args)
+    with tempfile.TemporaryDirectory() as log_dir:
+        for shape in args.shapes:
+            load = workload(shape, requests, args)
+            for repeat in range(1, args.repeats + 1):
+                for system in args.systems:
+                    print(f"{shape} {system} #{repeat}: starting", flush=True)
+                    run = run_one(system, load, files, Path(log_dir), args)
+                    run |= {"label": f"{run['label']} #{repeat}", "repeat": repeat}
+                    results["runs"].append(run)
+                    s = run["summary"]
+                    print(f"{run['label']}: {s['requests_ok']}/{len(requests)} ok, "
+                          f"{s['output_tokens_per_s']:.1f} output tok/s", flush=True)  # fmt: skip
+                    write_results(results, args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.slo = {}  # client.benchmark.record's goodput: none here
+    if args.rebuild:
+        return publish(json.loads((args.out / "results.json").read_text()), args.out)
+    if any(system in LLAMA_SYSTEMS for system in args.systems):
+        missing = llama_server.missing_binary(args.llama_server)
+        if missing:
+            print(f"benchmark: {missing}", file=sys.stderr)
+            return 2
+    try:
+        files = prepare(args.model, args.seed, args.work_dir, args.llama_src)
+    except FileNotFoundError as exc:  # no GGUF yet and no converter to make it
+        print(f"benchmark: {exc}", file=sys.stderr)
+        return 2
+    results = {
+        "title": f"random {args.model} (seed {args.seed}), {args.numsamples} greedy requests: ours and llama.cpp",
+        "command": " ".join(["python -m benchmarks.llama_cpp", *map(shlex.quote, argv)]),
+        "machine": machine(args.llama_server if args.llama_server.is_file() else None),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "runs": [],
+    }
+    restore_signals = stop_all_on_signal()  # a stopped benchmark leaves no server behind
+    try:
+        run_all(args, results, files)
+    finally:
+        restore_signals()
+    results["machine"]["load_after"] = os.getloadavg()
+    write_results(results, args.out)
+    return publish(results, args.out)
+
+
+def publish(results: dict[str, Any], out: Path) -> int:
+    """Write report.md, print the summary; the exit status: 1 if a request failed."""
+    write_report(out / "report.md", results)
+    print(f"\n{results['title']}\n{summary_table(results['runs'], markdown=False)}\nresults in {out}/")
+    return 1 if any(run["summary"]["requests_failed"] for run in results["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

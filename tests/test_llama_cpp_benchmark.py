@@ -1,0 +1,101 @@
+"""The llama.cpp comparison's parts that need no llama.cpp: the tokenizer files its converter reads, the requests,
+the greedy agreement, the memory of a process tree, and the error when llama-server is missing."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gguf_files import tokenizer_files
+from benchmarks.llama_cpp import main, parse_args, requests_for, workload
+from benchmarks.llama_cpp_report import same_outputs
+from client.memory import PeakMemory, tree_memory_kb
+from model.tokenizer import EOT_ID, load_tokenizer
+
+# REFERENCE §1's known ids, and text that exercises spaces, digits, contractions and bytes beyond ASCII
+KNOWN = {"hello world": [31373, 995], "Hello world": [15496, 995], " The quick brown fox": [383, 2068, 7586, 21831]}
+MIXED = "It's 2026: naïve café-goers don't pay €3.50\n\n  for   tea — 東京 🙂"
+
+
+def test_the_tokenizer_files_make_gpt2s_tokenizer(tmp_path):
+    """vocab.json and merges.txt rebuilt from the tiktoken ranks tokenize as GPT-2 does, through transformers
+    (what llama.cpp's converter loads them with)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    vocab, merges = tokenizer_files()
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (tmp_path / "merges.txt").write_text("\n".join(merges) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # what names the tokenizer's class
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(merges) == 1 + 50_000 and len(vocab) == EOT_ID + 1
+    for text, ids in KNOWN.items():
+        assert hf.encode(text) == ids
+    assert hf.encode(MIXED) == load_tokenizer().encode(MIXED)
+
+
+def test_requests_are_deterministic_within_their_ranges():
+    args = parse_args(["--seed", "3", "--numsamples", "50"])
+    drawn = requests_for(args)
+    assert drawn == requests_for(args) and drawn != requests_for(parse_args(["--seed", "4", "--numsamples", "50"]))
+    assert all(16 <= len(r.prompt_ids) <= 256 and 16 <= r.num_tokens <= 128 for r in drawn)
+    assert all(0 <= t < EOT_ID for r in drawn for t in r.prompt_ids)  # no end-of-text inside a prompt
+    assert workload("all-at-once", drawn, args).offsets == [0.0] * 50
+    offsets = workload("one-per-second", drawn, args).offsets
+    assert offsets == sorted(offsets) and 20 < offsets[-1] < 90  # 49 gaps of a second on average
+
+
+def test_bad_arguments_are_refused(capsys):
+    for argv in (["--prompt-tokens", "900,1000"], ["--shapes", "bursty"], ["--server-env", "DTYPE"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    assert "--server-env takes KEY=VALUE" in capsys.readouterr().err
+
+
+def test_the_servers_kv_pool_holds_llama_servers_context_unless_sized_by_hand():
+    """KV_CACHE_BLOCKS overrides KV_CACHE_GB in the server, so a default pool must not come with a user's size."""
+    args = parse_args([])
+    blocks, block = int(args.server_env["KV_CACHE_BLOCKS"]), 16
+    assert blocks * block == int(args.llama_flags.split("-c ")[1].split()[0])
+    sized = parse_args(["--server-env", "KV_CACHE_GB=2", "--server-env", "DTYPE=bfloat16"]).server_env
+    assert sized == {"KV_CACHE_GB": "2", "DTYPE": "bfloat16"}
+
+
+def test_a_missing_llama_server_is_one_line_naming_the_flag_and_the_readme(tmp_path, capsys):
+    assert main(["--llama-server", str(tmp_path / "nowhere"), "--work-dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "--llama-server" in error and "README.md" in error
+    assert not any(tmp_path.iterdir())  # nothing converted, nothing started
+
+
+def _run(texts: list[str | None]) -> dict:
+    return {"requests": [{"ok": text is not None, "text": text} for text in texts]}
+
+
+def test_outputs_agree_when_only_broken_characters_are_rendered_differently():
+    ours = _run(["abc", "x\ufffdy", "tail\ufffd", "same", None])
+    theirs = _run(["abc", "x\ufffd\ufffdy", "tail", "different", "failed on our side"])
+    assert same_outputs(ours, theirs) == 3
+
+
+# Holds about 200 MiB in a child of the process the sampler watches, says so, then waits for stdin to close.
+HOLDER = "import sys; block = b'1' * (200 * 2**20); print('held', flush=True); sys.stdin.read()"
+PARENT = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', sys.argv[1]])"
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="no /proc smaps_rollup")
+def test_peak_memory_counts_the_whole_process_tree():
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        with PeakMemory(parent.pid) as memory:
+            assert parent.stdout.readline() == "held\n"
+            assert tree_memory_kb(parent.pid)[0] > 200 * 1024  # the child's pages count as the parent's
+    finally:
+        parent.stdin.close()
+        parent.wait(timeout=30)
+    peaks = memory.peaks_mib()
+    assert peaks["rss_mib"] > 200 and 200 < peaks["pss_mib"] <= peaks["rss_mib"]
