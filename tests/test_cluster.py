@@ -234,7 +234,8 @@ def test_the_benchmark_compares_prefix_routing_with_round_robin(tmp_path, monkey
         assert stats["prefix_cache_query_tokens"] == sum(map(len, prompts))
         hit_rate = stats["prefix_cache_hit_tokens"] / sum(map(len, prompts))
         assert stats["prefix_cache_hit_rate"] == pytest.approx(hit_rate, abs=1e-6)  # results.json keeps 6 decimals
-        assert run["cpu"]["server"] > 0 and run["cpu"]["haproxy"] > 0 and run["cpu"]["client"] > 0
+        # HAProxy relays 24 requests in less than the 10 ms clock tick /proc counts in: its share may read 0
+        assert run["cpu"]["server"] > 0 and run["cpu"]["haproxy"] >= 0 and run["cpu"]["client"] > 0
         placed[label] = first
     prefix, roundrobin = runs.values()
     assert sorted(Counter(r["replica"] for r in roundrobin["requests"]).values()) == [n // 2, n // 2]
