@@ -13,7 +13,7 @@ import requests
 
 from client.client import RequestFailed, error_message
 from client.launch import free_port, start_command
-from client.metrics import RequestResult, failure
+from client.metrics import RequestResult, failure, streamed
 from client.workloads import Request
 
 README_SECTION = 'README.md, "Against llama.cpp\'s llama-server (CPU)"'
@@ -62,15 +62,13 @@ def stream_completion(url: str, request: Request, *, timeout: float) -> RequestR
         arrivals, final, text = _read_stream(url, body, timeout)
     except RequestFailed as exc:
         return failure(str(exc), time.perf_counter() - start_s, request.num_tokens)
-    return RequestResult(
-        ok=True,
-        prompt_tokens=final["tokens_evaluated"],
-        output_tokens=final["tokens_predicted"],
-        ttft_s=arrivals[0] - start_s if arrivals else None,
-        latency_s=time.perf_counter() - start_s,
-        error=None,
-        requested_tokens=request.num_tokens,
-        itl_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
+    return streamed(
+        start_s,
+        time.perf_counter(),
+        arrivals,
+        final["tokens_evaluated"],
+        final["tokens_predicted"],
+        request.num_tokens,
         text=text,
     )
 

@@ -25,6 +25,30 @@ def failure(error: str, latency_s: float, requested_tokens: int) -> RequestResul
     return RequestResult(False, 0, 0, None, latency_s, error, requested_tokens)
 
 
+def streamed(
+    start_s: float,
+    end_s: float,
+    arrivals: list[float],
+    prompt_tokens: int,
+    output_tokens: int,
+    requested_tokens: int,
+    **rest: Any,
+) -> RequestResult:
+    """The record of a streamed answer, from when it was sent, when it ended and when each text event
+    arrived (one clock); `rest` fills the optional fields (text, replica)."""
+    return RequestResult(
+        ok=True,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        ttft_s=arrivals[0] - start_s if arrivals else None,
+        latency_s=end_s - start_s,
+        error=None,
+        requested_tokens=requested_tokens,
+        itl_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
+        **rest,
+    )
+
+
 # Service-level objectives a request must meet to count towards goodput, in ms.
 SLO_METRICS = ("ttft", "tpot", "e2el")
 

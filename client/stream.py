@@ -11,7 +11,7 @@ from typing import Any
 import requests
 
 from client.client import RequestFailed, error_message
-from client.metrics import RequestResult, failure
+from client.metrics import RequestResult, failure, streamed
 from client.workloads import Request
 
 
@@ -31,15 +31,13 @@ def stream_completion(url: str, request: Request, *, temperature: float, timeout
         arrivals, usage, replica, text = _read_stream(url, body, timeout)
     except RequestFailed as exc:
         return failure(str(exc), time.perf_counter() - start, request.num_tokens)
-    return RequestResult(
-        ok=True,
-        prompt_tokens=usage["prompt_tokens"],
-        output_tokens=usage["completion_tokens"],
-        ttft_s=arrivals[0] - start if arrivals else None,
-        latency_s=time.perf_counter() - start,
-        error=None,
-        requested_tokens=request.num_tokens,
-        itl_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
+    return streamed(
+        start,
+        time.perf_counter(),
+        arrivals,
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        request.num_tokens,
         replica=replica,
         text=text,
     )
