@@ -5,7 +5,7 @@
 # ./server.sh runs it as its front door when exposed (a cluster of one: SERVER_FRONT=1).
 # Or put HAProxy in front of replicas already running, on this machine or others:
 #   REPLICAS_AT=host:port,host:port ./cluster.sh       (or REPLICAS_AT=FILE, one host:port a line)
-# Settings come from the environment and .env, as for ./server.sh (see README.md). RUN_DIR
+# Settings come from the environment and .env, as for ./server.sh (see docs/settings.md). RUN_DIR
 # (default: a new temporary directory) receives the filled-in HAProxy configuration, the
 # replicas' logs and the sockets. BALANCE=roundrobin (default: prefix) sends requests in turn
 # instead of by prompt prefix. Ctrl-C or SIGTERM stops everything it started.

@@ -58,8 +58,8 @@ class Settings:
     limit_by: str = "address"  # address: a client is its IP address; key: its Authorization header, if it sends one
     constraint_compile_timeout_s: float = 10.0  # structured output: a constraint compiling longer is refused (400)
     constraint_cache_size: int = 256  # structured output: compiled constraints kept (least recently used out)
-    # Overload (README "Priorities and overload"): a request's priority level is worth this many seconds of
-    # waiting (0: strict priority, which can starve); generate/priority.py
+    # Overload (docs/operations.md, "Priorities that preempt"): a request's priority level is worth this many
+    # seconds of waiting (0: strict priority, which can starve); generate/priority.py
     priority_aging_s: float = 10.0
     priority_prefill_first: bool = True  # less urgent prompt chunks wait while a more urgent prompt prefills
     engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long

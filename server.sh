@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start the batching server: ./server.sh {nobatch|static|dynamic}
-# Settings come from the environment and .env (see README.md). Exposed (HOST not loopback) or
+# Settings come from the environment and .env (see docs/settings.md). Exposed (HOST not loopback) or
 # with TLS_CERT, it serves through a front door: HAProxy on HOST:PORT (deploy/haproxy.cfg, with
 # its timeouts and per-client limits) before gunicorn on 127.0.0.1:PORT+1, run by cluster.sh as
 # a cluster of one. FRONT=off, or no haproxy installed: gunicorn listens on HOST:PORT itself.

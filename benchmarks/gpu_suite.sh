@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements of the README, in stages that each end well inside ten minutes (one
+# The GPU checks and measurements of docs/benchmarks.md, in stages that each end well inside ten minutes (one
 # device command each: the sum of a stage's step limits stays under 560 s).
 #
 #   bash benchmarks/gpu_suite.sh wheels              # with network: what the GPU image lacks, into .whl/

@@ -16,14 +16,14 @@ from client.launch import free_port, start_command
 from client.metrics import RequestResult, failure, streamed
 from client.workloads import Request
 
-README_SECTION = 'README.md, "Against llama.cpp\'s llama-server (CPU)"'
+DOCS_SECTION = 'docs/benchmarks.md, "Against llama.cpp\'s llama-server"'
 
 
 def missing_binary(binary: Path) -> str | None:
     """A one-line error when `binary` is not an executable llama-server, else None."""
     if binary.is_file() and binary.stat().st_mode & 0o111:
         return None
-    return f"no llama-server at {binary}: build it (see {README_SECTION}) or point --llama-server at it"
+    return f"no llama-server at {binary}: build it (see {DOCS_SECTION}) or point --llama-server at it"
 
 
 def version(binary: Path) -> str:

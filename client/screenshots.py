@@ -1,4 +1,4 @@
-"""Pictures of /dashboard in every mode under the same load, for the README.
+"""Pictures of /dashboard in every mode under the same load, for docs/operations.md.
 
     MODEL=random:gpt2 python -m client.screenshots --out docs/dashboard
 

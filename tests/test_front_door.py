@@ -1,4 +1,4 @@
-"""The front door: the README's exposed command, HOST=0.0.0.0 ./server.sh, serves through real HAProxy
+"""The front door: the exposed command of docs/operations.md, HOST=0.0.0.0 ./server.sh, serves through real HAProxy
 (deploy/) before gunicorn on loopback, with its read timeout, per-client limits, header-size limit and TLS.
 
 The server listens on 0.0.0.0 and the tests connect through loopback, from several source addresses
@@ -76,7 +76,7 @@ def front(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1, as the README makes one: the PEM HAProxy gets
+    """A self-signed certificate for 127.0.0.1, as docs/operations.md makes one: the PEM HAProxy gets
     (certificate and key), and the certificate alone, for the clients to trust."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: apt-get install openssl")
@@ -190,7 +190,7 @@ class SlowClients:
 
 def test_1600_slow_header_connections_leave_the_server_serving_and_are_closed_by_it(front):
     """The attack that stops gunicorn facing the network (1,600 connections trickling headers hold
-    all its ~1,300 threads: /health times out at 10 s, see README): through the front door, /health answers
+    all its ~1,300 threads: /health times out at 10 s, see docs/operations.md): through the front door, /health answers
     within 1 s and a short completion within 5 s while HAProxy holds them all, and HAProxy closes every
     one once REQUEST_READ_TIMEOUT_S has passed."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

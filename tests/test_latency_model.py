@@ -56,7 +56,7 @@ def one_thread():
 
 
 def test_profile_then_predict_the_real_engine_on_this_cpu(tmp_path, one_thread):
-    """A small grid, generous bounds: the README has the full grid and its figures."""
+    """A small grid, generous bounds: docs/simulated-engine.md has the full grid and its figures."""
     settings = Settings(device="cpu", dtype="float32")
     gpu, measured = profile("random:gpt2", "ci-cpu", settings, [16, 64, 256], [1, 4], [64, 256], repeats=2)
     assert measured["model"] == "random:gpt2" and measured["bytes_per_param"] == 4

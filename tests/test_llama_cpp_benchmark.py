@@ -66,7 +66,7 @@ def test_the_servers_kv_pool_holds_llama_servers_context_unless_sized_by_hand():
 def test_a_missing_llama_server_is_one_line_naming_the_flag_and_the_readme(tmp_path, capsys):
     assert main(["--llama-server", str(tmp_path / "nowhere"), "--work-dir", str(tmp_path)]) == 2
     error = capsys.readouterr().err.strip()
-    assert "\n" not in error and "--llama-server" in error and "README.md" in error
+    assert "\n" not in error and "--llama-server" in error and "docs/benchmarks.md" in error
     assert not any(tmp_path.iterdir())  # nothing converted, nothing started
 
 
