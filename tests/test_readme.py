@@ -1,5 +1,6 @@
-"""The README's first request, with curl and with the openai client, exactly as written there (but for
-the server's address), against a real server: each gets transformers' greedy continuation."""
+"""The README's code, exactly as written there but for the server's address and the model: the first
+request with curl and with the openai client against a real server, and the engine without the server;
+each gets transformers' greedy continuation."""
 
 import contextlib
 import io
@@ -43,3 +44,13 @@ def test_the_openai_client_request(url, expected_text):
     with contextlib.redirect_stdout(printed):
         exec(compile(code, "README.md", "exec"), {})
     assert printed.getvalue() == expected_text + "\n"
+
+
+def test_the_engine_without_the_server(tiny_checkpoint, hf_greedy):
+    code = block_with(README, "from generate.llm import").replace('"random:gpt2"', repr(str(tiny_checkpoint)))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {})
+    tokenizer = load_tokenizer()
+    tokens = hf_greedy(tokenizer.encode("The lighthouse keeper"), 16)
+    assert printed.getvalue() == f"{tokenizer.decode(tokens)} {tokens} length\n"
