@@ -23,6 +23,7 @@ class Client:
     max_tokens: int
     in_flight: int = 0  # closed loop: this many requests at all times
     interval_s: float = 0.0  # open loop: a request every interval_s simulated seconds
+    vary: bool = False  # each request's prompt and max_tokens drawn from 1 to the sizes above
 
 
 @dataclass
@@ -64,8 +65,11 @@ def run_load(engine: Engine, clients: list[Client], duration_s: float, warmup_s:
     fair, run = engine.scheduler.fair, LoadRun(figures, [], [], 0.0, duration_s - warmup_s)
 
     def send(client: Client) -> None:
-        prompt = [rng.randrange(50_000) for _ in range(client.prompt_tokens)]  # no prefix shared
-        seq = Sequence(prompt, SamplingParams(max_tokens=client.max_tokens), tenant=client.tenant)
+        size, tokens = client.prompt_tokens, client.max_tokens
+        if client.vary:
+            size, tokens = rng.randint(1, size), rng.randint(1, tokens)
+        prompt = [rng.randrange(50_000) for _ in range(size)]  # no prefix shared
+        seq = Sequence(prompt, SamplingParams(max_tokens=tokens), tenant=client.tenant)
         arrived[seq.seq_id] = (client, clock.simulated_s)
         engine.add(seq)
 
