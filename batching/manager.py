@@ -152,6 +152,7 @@ class BatchingManager:
             self._apply_cancellations()
             if not engine.has_work() and not self._incoming:
                 self._check_cache()
+                self.admission.publish(engine.scheduler.waiting, engine.scheduler.running)  # nothing left
             while not engine.has_work() and not self._incoming and not self._past_stop():
                 self.stats.mark_busy(False)
                 self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())
