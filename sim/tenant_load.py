@@ -18,12 +18,17 @@ from sim.runner import SimRunner
 
 @dataclass(frozen=True, slots=True)
 class Client:
-    tenant: str
+    name: str  # the figures' key
     prompt_tokens: int
     max_tokens: int
     in_flight: int = 0  # closed loop: this many requests at all times
     interval_s: float = 0.0  # open loop: a request every interval_s simulated seconds
     vary: bool = False  # each request's prompt and max_tokens drawn from 1 to the sizes above
+    tenant: str | None = None  # whose requests they are; None: the client's name
+
+    @property
+    def of(self) -> str:
+        return self.name if self.tenant is None else self.tenant
 
 
 @dataclass
@@ -36,18 +41,18 @@ class TenantFigures:
 
 @dataclass
 class LoadRun:
-    figures: dict[str, TenantFigures]
+    figures: dict[str, TenantFigures]  # by client
     service: list[dict[str, float]]  # per step: each tenant's weighted service so far (over its weight)
     backlogged: list[bool]  # per step: whether every closed-loop tenant had a sequence waiting
     simulated_s: float
     window_s: float
 
-    def share(self, tenant: str) -> float:
+    def share(self, client: str) -> float:
         total = sum(f.generated_tokens for f in self.figures.values())
-        return self.figures[tenant].generated_tokens / total if total else 0.0
+        return self.figures[client].generated_tokens / total if total else 0.0
 
-    def tokens_per_s(self, tenant: str) -> float:
-        return self.figures[tenant].generated_tokens / self.window_s
+    def tokens_per_s(self, client: str) -> float:
+        return self.figures[client].generated_tokens / self.window_s
 
 
 def sim_engine(settings: Settings) -> Engine:
@@ -59,9 +64,9 @@ def sim_engine(settings: Settings) -> Engine:
 def run_load(engine: Engine, clients: list[Client], duration_s: float, warmup_s: float = 0.0, seed: int = 0) -> LoadRun:
     """Run the clients for `duration_s` simulated seconds; figures over the time after `warmup_s`."""
     rng, clock = random.Random(seed), engine.runner
-    figures = {c.tenant: TenantFigures() for c in clients}
+    figures = {c.name: TenantFigures() for c in clients}
     arrived: dict[int, tuple[Client, float]] = {}  # seq id -> its client and arrival time
-    next_at = {c.tenant: 0.0 for c in clients if c.interval_s}
+    next_at = {c.name: 0.0 for c in clients if c.interval_s}
     fair, run = engine.scheduler.fair, LoadRun(figures, [], [], 0.0, duration_s - warmup_s)
 
     def send(client: Client) -> None:
@@ -69,7 +74,7 @@ def run_load(engine: Engine, clients: list[Client], duration_s: float, warmup_s:
         if client.vary:
             size, tokens = rng.randint(1, size), rng.randint(1, tokens)
         prompt = [rng.randrange(50_000) for _ in range(size)]  # no prefix shared
-        seq = Sequence(prompt, SamplingParams(max_tokens=tokens), tenant=client.tenant)
+        seq = Sequence(prompt, SamplingParams(max_tokens=tokens), tenant=client.of)
         arrived[seq.seq_id] = (client, clock.simulated_s)
         engine.add(seq)
 
@@ -78,9 +83,9 @@ def run_load(engine: Engine, clients: list[Client], duration_s: float, warmup_s:
             send(client)
     while clock.simulated_s < duration_s:
         for client in clients:
-            while client.interval_s and next_at[client.tenant] <= clock.simulated_s:
+            while client.interval_s and next_at[client.name] <= clock.simulated_s:
                 send(client)
-                next_at[client.tenant] += client.interval_s
+                next_at[client.name] += client.interval_s
         if not engine.has_work():  # idle until the next open-loop arrival
             clock.simulated_s = min(next_at.values())
             continue
@@ -89,7 +94,7 @@ def run_load(engine: Engine, clients: list[Client], duration_s: float, warmup_s:
         measuring = clock.simulated_s > warmup_s
         for seq, token in results:
             client, at = arrived[seq.seq_id]
-            mine = figures[client.tenant]
+            mine = figures[client.name]
             if token is not None and seq.num_generated == 1 and at >= warmup_s:
                 mine.ttfts_s.append(clock.simulated_s - at)
             if measuring:
@@ -100,14 +105,14 @@ def run_load(engine: Engine, clients: list[Client], duration_s: float, warmup_s:
                 if client.in_flight:
                     send(client)
         weighted = fair.input_weight, fair.output_weight
-        run.service.append({t: _service(fair, t, weighted) for t in figures})
+        run.service.append({c.of: _service(fair, c.of, weighted) for c in clients})
     run.simulated_s = clock.simulated_s
     return run
 
 
 def _record_backlog(engine: Engine, clients: list[Client], run: LoadRun) -> None:
     waiting = {s.tenant for s in engine.scheduler.waiting}
-    run.backlogged.append(all(c.tenant in waiting for c in clients if c.in_flight))
+    run.backlogged.append(all(c.of in waiting for c in clients if c.in_flight))
 
 
 def _service(fair, tenant: str, weights: tuple[float, float]) -> float:
