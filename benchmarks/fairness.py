@@ -27,19 +27,6 @@ def p90(values: list[float]) -> float | None:
     return ordered[int(0.9 * len(ordered))] if ordered else None
 
 
-def drift(run: LoadRun, a: str, b: str) -> float:
-    """The most a's weighted service outgrew b's, or b's a's, over any stretch where both were backlogged."""
-    worst, low, high = 0.0, None, None
-    for backlogged, service in zip(run.backlogged, run.service):
-        if not backlogged:
-            low = high = None
-            continue
-        diff = service[a] - service[b]
-        low, high = min(diff, diff if low is None else low), max(diff, diff if high is None else high)
-        worst = max(worst, high - low)
-    return worst
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sim-gpu", default="profiles/cpu.toml", help="SIM_GPU: a name in sim/gpus.toml or a profile")
@@ -84,7 +71,7 @@ def _bound(run, fair: bool, seats: int) -> dict:
     settings = Settings()
     w_in, w_out = settings.fair_share_input_weight, settings.fair_share_output_weight
     bound = 2 * (w_in * longest_prompt + seats * w_out * most_tokens) / 1.0
-    return {"bound_run_steps": len(long_run.service), "service_drift": drift(long_run, "a", "b"), "bound": bound}
+    return {"bound_run_steps": len(long_run.service), "service_drift": long_run.drift("a", "b"), "bound": bound}
 
 
 if __name__ == "__main__":

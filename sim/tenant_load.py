@@ -54,6 +54,19 @@ class LoadRun:
     def tokens_per_s(self, client: str) -> float:
         return self.figures[client].generated_tokens / self.window_s
 
+    def drift(self, a: str, b: str) -> float:
+        """The most tenant a's weighted service outgrew b's, or b's a's, over any stretch of steps where
+        both were backlogged (docs/fairness.md's bound is on this)."""
+        worst, low, high = 0.0, None, None
+        for backlogged, service in zip(self.backlogged, self.service):
+            if not backlogged:
+                low = high = None
+                continue
+            diff = service[a] - service[b]
+            low, high = min(diff, diff if low is None else low), max(diff, diff if high is None else high)
+            worst = max(worst, high - low)
+        return worst
+
 
 def sim_engine(settings: Settings) -> Engine:
     """The engine ENGINE=sim serves with, its runner's sleeps skipped (the clock is runner.simulated_s)."""

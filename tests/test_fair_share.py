@@ -52,19 +52,6 @@ def test_an_interactive_user_beside_a_flood_gets_its_first_token_fast_and_the_fl
     assert apart.tokens_per_s("flood") >= 0.6 * shared.tokens_per_s("flood")
 
 
-def service_drift(run, a: str, b: str) -> float:
-    """The most one tenant's service outgrew the other's over any stretch of steps where both were backlogged."""
-    worst, low, high = 0.0, None, None
-    for backlogged, service in zip(run.backlogged, run.service):
-        diff = service[a] - service[b]
-        if not backlogged:
-            low = high = None
-            continue
-        low, high = min(diff, low if low is not None else diff), max(diff, high if high is not None else diff)
-        worst = max(worst, high - low)
-    return worst
-
-
 @pytest.mark.parametrize("fair", [True, False])
 def test_the_service_of_two_backlogged_tenants_never_drifts_past_the_bound(fair):
     # mixed sizes; the bound (docs/fairness.md): 2 (w_in L + S w_out M) / min weight
@@ -76,9 +63,9 @@ def test_the_service_of_two_backlogged_tenants_never_drifts_past_the_bound(fair)
     bound = 2 * (fs.input_weight * longest_prompt + SEATS * fs.output_weight * most_tokens) / 1.0
     assert sum(run.backlogged) > 0.9 * len(run.backlogged) and len(run.service) > 3000
     if fair:
-        assert service_drift(run, "a", "b") <= bound
+        assert run.drift("a", "b") <= bound
     else:  # first come, first served drifts without limit: the check can fail
-        assert service_drift(run, "a", "b") > bound
+        assert run.drift("a", "b") > bound
 
 
 def schedule_trace(fair: bool, tenants: list[str], priorities: list[int]) -> list[list[tuple[int, int]]]:
