@@ -31,7 +31,8 @@ sets the priority admitted next, and among the waiting sequences of that priorit
 the least-served tenant goes first (the candidate; nothing overtakes it either). Prompt chunks of
 running sequences go by priority, then the least-served tenant, then rank. A candidate preempts
 only running sequences of another priority that rank below it, never one of its own priority: a
-tenant is served its share by admission, not by taking seats. Off, the head itself is admitted.
+tenant is served its share by admission, not by taking seats. Off, or with one tenant active, the
+head itself is admitted and everything is as without fair share.
 """
 
 import bisect
@@ -125,7 +126,7 @@ class Scheduler:
     def _chunk_order(self, seq: Sequence) -> tuple:
         """Decodes first (all of them fit the budget), then prompt chunks in rank order, or with fair share
         by priority, then the least-served tenant."""
-        if self.fair_share and seq.num_new_tokens > 1:
+        if seq.num_new_tokens > 1 and self._sharing:
             return (True, seq.priority, self.fair.service(seq.tenant), self.rank(seq))
         return (seq.num_new_tokens > 1, self.rank(seq))
 
@@ -133,7 +134,12 @@ class Scheduler:
         """The waiting sequence admitted next: the head, or with fair share the least-served tenant's first
         at the head's priority."""
         head = self.waiting[0]
-        return self.fair.pick(self.waiting, head.priority) if self.fair_share else head
+        return self.fair.pick(self.waiting, head.priority) if self._sharing else head
+
+    @property
+    def _sharing(self) -> bool:
+        """Fair share is on and has tenants to share between."""
+        return self.fair_share and len(self.fair.active) > 1
 
     def _reserve_slots(self) -> bool:
         """Give every running sequence room for its tokens, most urgent first, preempting the least urgent
@@ -200,7 +206,7 @@ class Scheduler:
     def _below(self, seq: Sequence) -> list[Sequence]:
         """The running sequences `seq` may preempt: those ranking below it (with fair share, of another priority)."""
         below = [s for s in self.running if self.rank(s) > self.rank(seq)]
-        return [s for s in below if s.priority != seq.priority] if self.fair_share else below
+        return [s for s in below if s.priority != seq.priority] if self._sharing else below
 
     def _preempt_for(self, seq: Sequence, scheduled: list[Sequence]) -> int:
         """Preempt the least urgent running sequence for the more urgent `seq`; the budget it gave back."""

@@ -3,6 +3,9 @@ shares of generated tokens, an interactive user beside a flood, the counter boun
 FAIR_SHARE=false scheduling exactly as first come, first served."""
 
 import pytest
+from conftest import random_prompts
+from test_model import make_engine, run_checked
+from test_priority import greedy
 
 from config import Settings
 from generate.fair_share import FairShare
@@ -91,8 +94,8 @@ def test_fair_share_off_schedules_exactly_as_without_tenants():
     tenants, priorities = [["a", "b", "b", "c"][i % 4] for i in range(n)], [i % 3 for i in range(n)]
     reference = schedule_trace(False, [""] * n, priorities)
     assert schedule_trace(False, tenants, priorities) == reference
-    # and with one tenant, fair share admits in the same order too (at one priority)
-    assert schedule_trace(True, [""] * n, [0] * n) == schedule_trace(False, [""] * n, [0] * n)
+    # and with one tenant, fair share schedules exactly as without it
+    assert schedule_trace(True, [""] * n, priorities) == reference
     assert schedule_trace(True, tenants, [0] * n) != schedule_trace(False, tenants, [0] * n)
 
 
@@ -124,3 +127,13 @@ def test_tenant_labels_are_capped_and_the_rest_count_as_other():
         fair.arrive(t)
         fair.charge(t, generated_tokens=1)
     assert fair.ledger.read(fair.ledger.generated_tokens) == {"shared": 1, "a": 1, "b": 1, "other": 2}
+
+
+def test_outputs_stay_transformers_greedy_ones_when_fair_share_reorders_tenants(tiny_checkpoint, hf_greedy):
+    eng = make_engine(tiny_checkpoint, max_batch_size=2, max_batch_tokens=32)
+    prompts = random_prompts([9, 14, 6, 11, 20, 7], seed=60)
+    seqs = [greedy(6 + i, 0, p) for i, p in enumerate(prompts)]
+    for i, seq in enumerate(seqs):
+        seq.tenant = "flood" if i < 4 else f"user{i}"
+    run_checked(eng, seqs)
+    assert [s.completion_ids for s in seqs] == [hf_greedy(p, s.params.max_tokens) for p, s in zip(prompts, seqs)]
