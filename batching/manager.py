@@ -96,11 +96,7 @@ class BatchingManager:
             if self.admission.counts_work:
                 queued = [(inf.priority, len(inf.prompt_ids)) for req in self._incoming for inf in _prompts(req)]
             tokens, tenant = sum(len(inf.prompt_ids) for inf in _prompts(infs)), infs[0].tenant
-            mine = (
-                sum(len(req) for req in self._incoming if req[0].tenant == tenant)
-                if self.admission.tenants.limits
-                else 0
-            )
+            mine = self.admission.tenants.queued(tenant, self._incoming)
             self.admission.check(tokens, infs[0].priority, self.num_waiting(), queued, tenant, mine, len(infs))
             self._incoming.append(infs)
             self._num_incoming += len(infs)

@@ -29,6 +29,10 @@ class TenantLimits:
             self._waiting = Counter(s.tenant for s in waiting)
             self._running = Counter(s.tenant for s in running)
 
+    def queued(self, tenant: str, requests: Iterable[tuple]) -> int:
+        """The tenant's inferences among `requests` (the manager's queue); 0 without limits to check."""
+        return sum(len(r) for r in requests if r[0].tenant == tenant) if self.limits else 0
+
     def check(self, tenant: str, queued: int, count: int) -> None:
         """Refuse `count` sequences of `tenant`, with `queued` of its sequences queued outside the engine."""
         max_waiting, max_running = self.limits.get(tenant, (None, None))

@@ -37,14 +37,19 @@ def phase(url: str, args, interactive_as: str | None) -> dict:
         while not stop.is_set():
             send(url, user, args.words, args.tokens, next(counter))
 
+    def one_interactive() -> None:
+        measured = measuring.is_set()  # as it is sent
+        answer = send(url, interactive_as, 8, 16, next(counter))
+        if "ttft_s" in answer and measured:
+            ttfts.append(answer["ttft_s"])
+            user_tokens.append(answer["completion_tokens"])
+
     def interactive() -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            answer = send(url, interactive_as, 8, 16, next(counter))
-            if "ttft_s" in answer and measuring.is_set():
-                ttfts.append(answer["ttft_s"])
-                user_tokens.append(answer["completion_tokens"])
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
+        """Open loop: one request a second, whether or not the last one has been answered."""
+        with ThreadPoolExecutor(64) as sends:
+            while not stop.is_set():
+                sends.submit(one_interactive)
+                time.sleep(1.0)
 
     measuring = threading.Event()
     with ThreadPoolExecutor(sum(n for _, n in clients) + 1) as pool:
@@ -59,7 +64,7 @@ def phase(url: str, args, interactive_as: str | None) -> dict:
         stop.set()
         for future in running:
             future.result()
-    tokens = {t: after.get(t, 0) - before.get(t, 0) for t in after}
+    tokens = {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}
     total = sum(tokens.values()) or 1
     row = {"shares": {t: round(n / total, 3) for t, n in tokens.items()}, "tokens_per_s": total / seconds}
     if interactive_as:  # the flood's own tokens: without the user's when it shares the flood's tenant
