@@ -38,6 +38,7 @@ head itself is admitted and everything is as without fair share.
 import bisect
 import itertools
 import time
+from collections import Counter
 
 from generate.fair_share import FairShare
 from generate.priority import Rank
@@ -118,9 +119,8 @@ class Scheduler:
             scheduled.append(seq)
         if not preempted:
             self._admit(scheduled, budget)
-        for seq in scheduled:
-            if seq.samples_this_step:
-                self.fair.charge(seq.tenant, generated_tokens=1)
+        for tenant, tokens in Counter(s.tenant for s in scheduled if s.samples_this_step).items():
+            self.fair.charge(tenant, generated_tokens=tokens)  # once a tenant, not once a sequence
         return scheduled
 
     def _chunk_order(self, seq: Sequence) -> tuple:
