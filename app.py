@@ -1,12 +1,11 @@
 """HTTP front of the batching server: a Flask app factory over one BatchingManager per process."""
 
-import hmac
 import logging
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import batches, chat, dashboard, openai, simple, stats, tokenize
+from api import batches, chat, dashboard, openai, simple, stats, tenants, tokenize
 from api.chat_template import ChatTemplate
 from api.json_body import StrictJSONProvider, require_json
 from api.priority import PRIORITY_LIMIT
@@ -34,8 +33,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     for warning in settings.exposure_warnings(front=False):  # exposed with a front, this server is on loopback
         log.warning("%s", warning)
     template = ChatTemplate.load(settings.chat_template)  # a bad file stops the server before the model loads
+    keys = tenants.load_keys(settings)  # so does a bad keys file
     engine = simulated_engine(settings) if settings.engine == "sim" else Engine.from_settings(settings)
     manager = BatchingManager(engine, settings)
+    if keys is not None:  # each tenant's weight and limits
+        engine.scheduler.fair.weights.update({t.name: t.weight for t in keys.tenants.values()})
+        manager.admission.tenants.limits.update({t.name: (t.max_waiting, t.max_running) for t in keys.tenants.values()})
     manager.start()
 
     app = Flask(__name__)
@@ -63,13 +66,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.before_request
     def require_api_key():
-        if not settings.api_key or request.path in OPEN_PATHS:
-            return None
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").encode()
-        if not hmac.compare_digest(given, settings.api_key.encode()):
-            message = "a valid 'Authorization: Bearer <API_KEY>' header is required"
-            raise ApiError(401, message, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
-        return None
+        tenants.authenticate(settings, keys, OPEN_PATHS)
 
     @app.before_request
     def require_json_posts():
@@ -106,12 +103,12 @@ def create_app(settings: Settings | None = None) -> Flask:
 
 
 def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager) -> BatchJobs:
-    """The Batch API's runner: each request goes through the app's own endpoint, at the lowest priority."""
+    """The Batch API's runner: each request goes through the app's own endpoint, at the lowest priority,
+    for the tenant that created its batch."""
     client = app.test_client(use_cookies=False)
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
 
-    def send(endpoint: str, body: dict) -> tuple[int, dict]:
-        response = client.post(endpoint, json=body, headers=headers)
+    def send(endpoint: str, body: dict, tenant: str) -> tuple[int, dict]:
+        response = client.post(endpoint, json=body, environ_base={tenants.BATCH_TENANT: tenant})
         return response.status_code, response.get_json(silent=True)
 
     jobs = BatchJobs(

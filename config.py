@@ -70,6 +70,11 @@ class Settings:
     batch_max_file_bytes: int = 8 << 20  # an uploaded batch file
     batch_max_requests: int = 10_000  # lines of one batch file
     batch_in_flight: int = 32  # a batch's requests in the server at once
+    # Fair share between tenants (docs/fairness.md): admission follows the least weighted service
+    fair_share: bool = True  # off: first come, first served within a priority, as before
+    fair_share_input_weight: float = 1.0  # a prompt token's cost to its tenant's counter
+    fair_share_output_weight: float = 2.0  # a generated token's cost
+    api_keys_file: str = ""  # keys (sha256-hashed or plain), each with its tenant, weight and limits (TOML or JSON)
     fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class Settings:
             raise ValueError("MAX_WAITING_TOKENS and TTFT_TARGET_S must be at least 0 (0: off)")
         if self.priority_aging_s < 0:
             raise ValueError(f"PRIORITY_AGING_S must be at least 0, got {self.priority_aging_s}")
+        if self.fair_share_input_weight < 0 or self.fair_share_output_weight < 0:
+            raise ValueError("FAIR_SHARE_INPUT_WEIGHT and FAIR_SHARE_OUTPUT_WEIGHT must be at least 0")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
         self._check_front()
@@ -114,8 +121,8 @@ class Settings:
             raise ValueError("TLS_CERT needs the front door (HAProxy terminates TLS): unset FRONT=off")
         if self.limit_by not in ("address", "key"):
             raise ValueError(f"LIMIT_BY must be address or key, got {self.limit_by!r}")
-        if self.limit_by == "key" and not self.api_key:
-            raise ValueError("LIMIT_BY=key counts requests by their API key: set API_KEY")
+        if self.limit_by == "key" and not (self.api_key or self.api_keys_file):
+            raise ValueError("LIMIT_BY=key counts requests by their API key: set API_KEY or API_KEYS_FILE")
         if min(self.limit_connections, self.limit_requests) < 0 or self.limit_period_s < 1:
             raise ValueError("LIMIT_CONNECTIONS and LIMIT_REQUESTS must be at least 0, LIMIT_PERIOD_S at least 1")
         if self.request_read_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.max_header_bytes < 1024:
@@ -176,7 +183,7 @@ class Settings:
         if not self.exposed:
             return []
         warnings = [] if front else [self.no_front_warning]
-        if not self.api_key:
+        if not (self.api_key or self.api_keys_file):
             warnings.append(f"HOST={self.host} and no API_KEY: anyone who reaches this port can generate")
         return warnings
 

@@ -7,6 +7,7 @@ BATCH_MAX_REQUESTS lines per file.
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
+from api.tenants import key_tenant
 from api.validation import ApiError, bad, json_object, known_fields
 from batching.batch_jobs import ENDPOINTS, BatchJobs
 from batching.batch_store import BatchStore
@@ -91,7 +92,7 @@ def create_batch():
     meta = _store().file(file_id) if isinstance(file_id, str) else None
     if meta is None or meta["purpose"] != "batch":
         raise bad(f"'input_file_id' must name an uploaded file of purpose 'batch', got {file_id!r}", "input_file_id")
-    return jsonify(_jobs().create(file_id, body["endpoint"], metadata))
+    return jsonify(_jobs().create(file_id, body["endpoint"], metadata, key_tenant() or ""))
 
 
 @routes.get("/v1/batches")

@@ -27,7 +27,9 @@ routes = Blueprint("dashboard", __name__)
 def page():
     # The page learns whether to ask for a key before its first request, so it never draws a 401.
     html = (PAGE_DIR / "index.html").read_text()
-    html = html.replace("{{key_required}}", "true" if server().settings.api_key else "false")
+    html = html.replace(
+        "{{key_required}}", "true" if server().settings.api_key or server().settings.api_keys_file else "false"
+    )
     return _static(html, "text/html")
 
 

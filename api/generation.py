@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
+from api import tenants
 from api.serving import Server, submit
 from api.validation import ApiError
 from batching.inference import Delta, Inference
@@ -41,7 +42,9 @@ def start(
     stream: bool,
     priority: int = 0,
 ) -> Request:
-    """Submit n completions of every prompt; the first of each prompt leads, the others fork from it."""
+    """Submit n completions of every prompt, for the request's tenant; the first of each prompt leads, the
+    others fork from it."""
+    tenant = tenants.current()
     chunks = queue.SimpleQueue() if stream else None
     completions = []
     for prompt in prompts:
@@ -50,7 +53,9 @@ def start(
             own = params if params.seed is None else replace(params, seed=(params.seed + j) % SEED_LIMIT)
             text = TextStream(srv.tokenizer, stop)
             index = len(completions)
-            inf = Inference(prompt, own, text=text, chunks=chunks, index=index, fork_of=leader, priority=priority)
+            inf = Inference(
+                prompt, own, text=text, chunks=chunks, index=index, fork_of=leader, priority=priority, tenant=tenant
+            )
             leader = leader or inf
             completions.append(inf)
     submit(srv, *completions)

@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+from api import tenants
 from api.protocol import SamplingRequest
 from api.serving import Server
 from api.validation import ApiError, bad
@@ -19,6 +20,7 @@ class SharedFields(NamedTuple):
 
 def shared_fields(body: SamplingRequest, srv: Server) -> SharedFields:
     check_model(body.model, srv)
+    tenants.note_user(body.user)
     vocab = srv.tokenizer.n_vocab
     if body.top_k > vocab:
         raise bad(f"'top_k' must be between -1 and {vocab}, got {body.top_k}", "top_k")

@@ -56,7 +56,7 @@ class SamplingRequest(Strict):
     ] = {}
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, and changes nothing
+    user: str | None = None  # OpenAI's end-user id: names the request's tenant when its API key does not
     priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)  # vLLM's: lower is more urgent
     guided_json: dict[str, Any] | str | None = None  # a JSON Schema, or its JSON text
     guided_regex: str | None = None

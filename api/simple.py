@@ -4,6 +4,7 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
+from api import tenants
 from api.priority import parse_priority
 from api.serving import check_fits, server, submit, wait
 from api.validation import bad, boolean, integer, json_object, known_fields, number, optional_seed
@@ -14,7 +15,7 @@ from model.tokenizer import encode_prompt
 routes = Blueprint("inference", __name__)
 
 
-FIELDS = ("prompt", "num_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos", "priority")
+FIELDS = ("prompt", "num_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos", "priority", "user")
 
 
 def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams, int]:
@@ -23,6 +24,10 @@ def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams, i
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise bad(f"'prompt' must be a non-empty string, got {prompt!r}", "prompt")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad(f"'user' must be a string, got {user!r}", "user")
+    tenants.note_user(user)
     params = SamplingParams(
         max_tokens=integer(body, "num_tokens", None, 1, max_context),
         temperature=number(body, "temperature", 1.0, 0.0, 100.0),
@@ -40,7 +45,7 @@ def inference():
     prompt, params, priority = parse_inference(request.get_json(silent=True), srv.engine.max_context)
     prompt_ids = encode_prompt(srv.tokenizer, prompt)
     check_fits(srv, len(prompt_ids), params.max_tokens, "num_tokens")
-    inf = wait(srv, submit(srv, Inference(prompt_ids, params, priority=priority)))
+    inf = wait(srv, submit(srv, Inference(prompt_ids, params, priority=priority, tenant=tenants.current())))
     text = srv.tokenizer.decode(inf.generated_ids)
     return jsonify(
         completion=prompt + text,

@@ -7,7 +7,8 @@ in exactly one result line: the output file (status 200) or the error file (a ba
 custom_id when it has one; an endpoint's 4xx). A refusal for load (429, 503, 504) is tried again.
 When the server stops, requests not answered are left without a result, and after the restart
 (batch_store.py) they run again: nothing lost, nothing twice. Cancelling stops new requests; those
-in flight finish, and the batch is `cancelled` with what it has.
+in flight finish, and the batch is `cancelled` with what it has. Its requests count for the tenant
+that created it (fair share: generate/fair_share.py), kept with the batch but not shown.
 """
 
 import json
@@ -26,7 +27,8 @@ RETRIED = (429, 503, 504)  # refused for load, or timed out in the queue: not th
 RETRY_PAUSE_S = 1.0
 RUNNABLE = ("validating", "in_progress", "finalizing", "cancelling")
 
-Send = Callable[[str, dict], tuple[int, dict]]  # (endpoint, body) -> (status, JSON answer)
+Send = Callable[[str, dict, str], tuple[int, dict]]  # (endpoint, body, tenant) -> (status, JSON answer)
+PRIVATE = ("tenant",)  # kept with a batch, not shown
 
 
 class BadLine(ValueError):
@@ -47,7 +49,7 @@ class BatchJobs:
         self._thread.start()
 
     # --- request threads ----------------------------------------------------------------------
-    def create(self, input_file_id: str, endpoint: str, metadata: dict | None) -> dict:
+    def create(self, input_file_id: str, endpoint: str, metadata: dict | None, tenant: str = "") -> dict:
         hex_id = new_id("")
         batch = {
             "id": f"batch_{hex_id}",
@@ -70,6 +72,7 @@ class BatchJobs:
             "cancelled_at": None,
             "request_counts": {"total": len(_lines(self.store.content(input_file_id))), "completed": 0, "failed": 0},
             "metadata": metadata,
+            "tenant": tenant,  # "": its requests name their own (their `user`), as any request does
         }
         for kind in ("output", "errors"):
             self.store.add_file(b"", f"{batch['id']}_{kind}.jsonl", f"batch_{kind}", f"file-{hex_id}-{kind}")
@@ -77,16 +80,16 @@ class BatchJobs:
             self._batches[batch["id"]] = batch
             self.store.save(batch)
             self._cond.notify()
-        return dict(batch)
+        return _public(batch)
 
     def get(self, batch_id: str) -> dict | None:
         with self._cond:
             batch = self._batches.get(batch_id)
-            return None if batch is None else json.loads(json.dumps(batch))
+            return None if batch is None else _public(batch)
 
     def list(self) -> list[dict]:
         with self._cond:
-            return [json.loads(json.dumps(b)) for b in self._batches.values()]
+            return [_public(b) for b in self._batches.values()]
 
     def cancel(self, batch_id: str) -> dict | None:
         with self._cond:
@@ -152,10 +155,11 @@ class BatchJobs:
             record["custom_id"] = bad.custom_id
             record["error"] = {"code": "invalid_request", "message": str(bad)}
             return self._record(batch, files[1], record, "failed")
-        status, answer = self.send(batch["endpoint"], {**body, "priority": self.priority})
+        tenant = batch.get("tenant", "")
+        status, answer = self.send(batch["endpoint"], {**body, "priority": self.priority}, tenant)
         while status in RETRIED and self.serving():
             time.sleep(RETRY_PAUSE_S)  # refused for load: the pause is the back-off
-            status, answer = self.send(batch["endpoint"], {**body, "priority": self.priority})
+            status, answer = self.send(batch["endpoint"], {**body, "priority": self.priority}, tenant)
         if status >= 500 and not self.serving():
             return  # answered by a server shutting down: it runs again after the restart
         record["response"] = {"status_code": status, "request_id": new_id("req_"), "body": answer}
@@ -170,6 +174,11 @@ class BatchJobs:
             counts = dict(batch["request_counts"])
             counts[outcome] += 1
             self._update(batch, request_counts=counts)
+
+
+def _public(batch: dict) -> dict:
+    """A copy of the batch as the API shows it."""
+    return {k: v for k, v in json.loads(json.dumps(batch)).items() if k not in PRIVATE}
 
 
 def _lines(content: bytes) -> dict[int, bytes]:

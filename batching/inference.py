@@ -32,6 +32,7 @@ class Inference:
     index: int = 0  # which completion of its request
     fork_of: InitVar["Inference | None"] = None  # a completion of the same prompt added just before this one
     priority: int = 0  # lower is more urgent (generate/priority.py)
+    tenant: str = ""  # for fair share between tenants (api/tenants.py)
     seq: Sequence = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)  # set exactly once
     arrival: float = field(default_factory=time.monotonic)
@@ -46,7 +47,14 @@ class Inference:
 
     def __post_init__(self, fork_of: "Inference | None") -> None:
         leader = fork_of.seq if fork_of is not None else None
-        self.seq = Sequence(list(self.prompt_ids), self.params, stop=self.text, fork_of=leader, priority=self.priority)
+        self.seq = Sequence(
+            list(self.prompt_ids),
+            self.params,
+            stop=self.text,
+            fork_of=leader,
+            priority=self.priority,
+            tenant=self.tenant,
+        )
 
     @property
     def generated_ids(self) -> list[int]:

@@ -16,27 +16,15 @@ This module imports nothing above it: the manager hands it the engine and a read
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from batching.histograms import HISTOGRAMS, SECONDS, Histogram, token_buckets
 from batching.inference import Inference
+from batching.live_value import LiveValue, Reading
 from batching.stats import Stats, outcome
+from batching.tenant_stats import TENANT_VALUES
 from batching.window import StepTokens, Window
 from generate.constraints import compile_stats
 from generate.engine import Engine
-
-Reading = float | dict[str, float]
-
-
-@dataclass(frozen=True, slots=True)
-class LiveValue:
-    key: str  # in /stats and the timeline's "live"
-    metric: str | None  # Prometheus name (a counter's samples get "_total"); None: JSON only
-    kind: str  # "gauge" or "counter"
-    help: str
-    read: Callable[["LiveTable"], Reading]
-    label: str | None = None  # a labelled value reads {label value: number}
-    vllm: tuple[str, ...] = ()  # vLLM's names for the same value, labelled model_name
 
 
 def _hit_rate(live: "LiveTable") -> float:
@@ -232,7 +220,9 @@ LIVE_VALUES = (
         "Mean time the loop waited for and applied a step's token masks, over steps with any",
         lambda t: t.engine.grammar.stats.mean_wait_s(),
     ),
+    *TENANT_VALUES,
 )
+__all__ = ["LIVE_VALUES", "LiveTable", "LiveValue", "Reading"]
 
 
 class LiveTable:

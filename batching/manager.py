@@ -45,7 +45,7 @@ class NotServing(Exception):
 class BatchingManager:
     def __init__(self, engine: Engine, settings: Settings):
         self.engine, self.settings, self.mode = engine, settings, settings.mode
-        self.admission = Admission(settings)
+        self.admission = Admission(settings, engine.scheduler.fair.ledger)
         self.live = LiveTable(engine, settings.timeline_window_s, self.num_waiting, self.admission.counts)
         self.stats = self.live.stats  # since-start counts and percentiles
         self.events = EventLog(settings.request_event_log_size)
@@ -95,8 +95,9 @@ class BatchingManager:
             queued = []  # (priority, prompt tokens) of the requests queued here, when admission weighs work
             if self.admission.counts_work:
                 queued = [(inf.priority, len(inf.prompt_ids)) for req in self._incoming for inf in _prompts(req)]
-            tokens = sum(len(inf.prompt_ids) for inf in _prompts(infs))
-            self.admission.check(tokens, infs[0].priority, self.num_waiting(), queued)
+            tokens, tenant = sum(len(inf.prompt_ids) for inf in _prompts(infs)), infs[0].tenant
+            mine = self.admission.tenants.queued(tenant, self._incoming)
+            self.admission.check(tokens, infs[0].priority, self.num_waiting(), queued, tenant, mine, len(infs))
             self._incoming.append(infs)
             self._num_incoming += len(infs)
             for inf in infs:
@@ -147,6 +148,7 @@ class BatchingManager:
             self._apply_cancellations()
             if not engine.has_work() and not self._incoming:
                 self._check_cache()
+                self.admission.publish(engine.scheduler.waiting, engine.scheduler.running)  # nothing left
             while not engine.has_work() and not self._incoming and not self._past_stop():
                 self.stats.mark_busy(False)
                 self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())

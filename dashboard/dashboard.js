@@ -254,6 +254,41 @@
     drawKv();
     drawCache();
     drawLatency();
+    renderTenants();
+  }
+
+  // Each tenant's share of the tokens generated since the page opened (the first reading is the base).
+  function renderTenants() {
+    const { live } = state.data;
+    const total = live.tenant_generated_tokens || {};
+    state.tenantBase = state.tenantBase || { ...total };
+    const since = Object.fromEntries(Object.entries(total).map(([t, n]) => [t, n - (state.tenantBase[t] || 0)]));
+    const sum = Object.values(since).reduce((a, b) => a + b, 0);
+    const body = document.querySelector("#tenants-table tbody");
+    body.replaceChildren();
+    const names = Object.keys({ ...total, ...live.tenant_requests_running, ...live.tenant_requests_waiting });
+    names.sort((a, b) => (since[b] || 0) - (since[a] || 0));
+    const cell = (row, text) => {
+      const td = document.createElement("td");
+      td.textContent = text; // text, never markup: tenant names come from requests
+      row.appendChild(td);
+      return td;
+    };
+    for (const name of names) {
+      const share = sum ? (since[name] || 0) / sum : 0;
+      const row = document.createElement("tr");
+      body.appendChild(row);
+      cell(row, name);
+      cell(row, `${(100 * share).toFixed(1)}%`);
+      const bar = document.createElement("span");
+      bar.className = "bar";
+      bar.style.width = `${Math.round(200 * share)}px`;
+      cell(row, "").appendChild(bar);
+      cell(row, fmtNumber(since[name] || 0));
+      for (const counts of [live.tenant_requests_running, live.tenant_requests_waiting, live.tenant_requests_refused]) {
+        cell(row, String((counts || {})[name] || 0));
+      }
+    }
   }
 
   function renderHeader() {

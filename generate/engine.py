@@ -9,6 +9,7 @@ import torch
 
 from config import Settings
 from generate import constraints
+from generate.fair_share import FairShare
 from generate.grammar_mask import GrammarMasks, StepMasks
 from generate.model_runner import ModelRunner
 from generate.scheduler import Scheduler
@@ -63,6 +64,8 @@ class Engine:
             settings.chunked_prefill,
             settings.priority_aging_s,
             settings.priority_prefill_first,
+            settings.fair_share,
+            FairShare(settings.fair_share_input_weight, settings.fair_share_output_weight),
         )
         self.step_log = StepLog(settings.step_log_size)
         self.num_steps = 0

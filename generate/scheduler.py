@@ -25,12 +25,22 @@ no budget, until the leader has computed them; then it computes only its prompt'
 partial block and goes on alone. The prompt is computed once, with or without the prefix
 cache. A fork that cannot share (its leader gone, or itself preempted) computes its prompt
 like any other sequence. A fork is admitted after its leader, so it is preempted before it.
+
+Fair share between tenants (FAIR_SHARE, generate/fair_share.py): the head of the queue by rank
+sets the priority admitted next, and among the waiting sequences of that priority the oldest of
+the least-served tenant goes first (the candidate; nothing overtakes it either). Prompt chunks of
+running sequences go by priority, then the least-served tenant, then rank. A candidate preempts
+only running sequences of another priority that rank below it, never one of its own priority: a
+tenant is served its share by admission, not by taking seats. Off, or with one tenant active, the
+head itself is admitted and everything is as without fair share.
 """
 
 import bisect
 import itertools
 import time
+from collections import Counter
 
+from generate.fair_share import FairShare
 from generate.priority import Rank
 from generate.sequence import Sequence, Status
 from kvcache.block_manager import BlockManager, KVCacheExhausted
@@ -45,6 +55,8 @@ class Scheduler:
         chunked_prefill: bool,
         priority_aging_s: float = 0.0,
         priority_prefill_first: bool = False,
+        fair_share: bool = False,
+        fair: FairShare | None = None,
     ):
         # Every running sequence decodes one token per step, so no more may run than the budget has tokens.
         assert 1 <= max_num_seqs <= max_num_batched_tokens
@@ -54,6 +66,8 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.priority_aging_s = priority_aging_s
         self.priority_prefill_first = priority_prefill_first
+        self.fair_share = fair_share  # the order of admission and chunks follows the tenants' service
+        self.fair = fair or FairShare()  # the tenants' counters, kept either way (for /stats and /metrics)
         self._prefilling: int | None = None  # the most urgent priority with a prompt chunk in this step
         # Keep a few blocks back when admitting beside running sequences, so that their
         # next decode steps do not immediately preempt the newcomer.
@@ -70,6 +84,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         assert self.blocks.blocks_for(len(seq.token_ids) + seq.params.max_tokens) <= self.blocks.num_blocks
         self._ranks[seq.seq_id] = Rank.of(seq.priority, time.monotonic(), next(self._added), self.priority_aging_s)
+        self.fair.arrive(seq.tenant)
         self._enqueue(seq)
 
     def rank(self, seq: Sequence) -> Rank:
@@ -92,7 +107,7 @@ class Scheduler:
         # leave it the budget (with PRIORITY_PREFILL_FIRST), or it could wait for their whole prompts.
         self._prefilling = self.waiting[0].priority if self.waiting else None
         # decodes first (at most one token each, and running <= budget), then prompt chunks, most urgent first
-        for seq in sorted(self.running, key=lambda s: (s.num_new_tokens > 1, self.rank(s))):
+        for seq in sorted(self.running, key=self._chunk_order):
             if self._waits_for_leader(seq) or self._held_back(seq):
                 continue
             chunk = min(seq.num_new_tokens, budget)
@@ -104,7 +119,27 @@ class Scheduler:
             scheduled.append(seq)
         if not preempted:
             self._admit(scheduled, budget)
+        for tenant, tokens in Counter(s.tenant for s in scheduled if s.samples_this_step).items():
+            self.fair.charge(tenant, generated_tokens=tokens)  # once a tenant, not once a sequence
         return scheduled
+
+    def _chunk_order(self, seq: Sequence) -> tuple:
+        """Decodes first (all of them fit the budget), then prompt chunks in rank order, or with fair share
+        by priority, then the least-served tenant."""
+        if seq.num_new_tokens > 1 and self._sharing:
+            return (True, seq.priority, self.fair.service(seq.tenant), self.rank(seq))
+        return (seq.num_new_tokens > 1, self.rank(seq))
+
+    def _candidate(self) -> Sequence:
+        """The waiting sequence admitted next: the head, or with fair share the least-served tenant's first
+        at the head's priority."""
+        head = self.waiting[0]
+        return self.fair.pick(self.waiting, head.priority) if self._sharing else head
+
+    @property
+    def _sharing(self) -> bool:
+        """Fair share is on and has tenants to share between."""
+        return self.fair_share and len(self.fair.active) > 1
 
     def _reserve_slots(self) -> bool:
         """Give every running sequence room for its tokens, most urgent first, preempting the least urgent
@@ -125,7 +160,7 @@ class Scheduler:
         """Admit waiting sequences in rank order while seats, blocks and budget last, preempting less urgent
         running ones for them; those that compute now join `scheduled` (where a preempted one leaves it)."""
         while self.waiting:
-            seq = self.waiting[0]
+            seq = self._candidate()
             leader = self._running_leader(seq)
             if leader is None and budget == 0:
                 break  # a fork needs no budget until its leader has computed what they share
@@ -136,7 +171,7 @@ class Scheduler:
                 budget += self._preempt_for(seq, scheduled)
             if not self._fits(blocks):
                 break
-            del self.waiting[0]
+            self.waiting.remove(seq)
             self._start(seq, leader)
             if not self._waits_for_leader(seq) and not self._held_back(seq):
                 seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
@@ -162,15 +197,20 @@ class Scheduler:
     def _can_make_room(self, seq: Sequence, blocks: int) -> bool:
         """Whether preempting every running sequence that ranks below `seq` would give it a seat and its
         blocks (counting their whole tables, some of which may be shared: a bound, not a promise)."""
-        below = [s for s in self.running if self.rank(s) > self.rank(seq)]
+        below = self._below(seq)
         seats = self.max_num_seqs - len(self.running) + len(below)
         held = sum(len(s.block_table) for s in below)
         reserve = self.watermark if len(self.running) > len(below) else 0
         return bool(below) and seats > 0 and blocks + reserve <= self.blocks.num_free_blocks + held
 
+    def _below(self, seq: Sequence) -> list[Sequence]:
+        """The running sequences `seq` may preempt: those ranking below it (with fair share, of another priority)."""
+        below = [s for s in self.running if self.rank(s) > self.rank(seq)]
+        return [s for s in below if s.priority != seq.priority] if self._sharing else below
+
     def _preempt_for(self, seq: Sequence, scheduled: list[Sequence]) -> int:
         """Preempt the least urgent running sequence for the more urgent `seq`; the budget it gave back."""
-        victim = max(self.running, key=self.rank)
+        victim = max(self._below(seq), key=self.rank)
         assert self.rank(victim) > self.rank(seq)
         tokens = victim.num_scheduled_tokens
         if victim in scheduled:
@@ -187,8 +227,9 @@ class Scheduler:
             self.blocks.allocate(seq)
             self.prompt_tokens_admitted += len(seq.token_ids)  # prefix-cache queries and hits; forks share
             self.prompt_tokens_cached += seq.num_cached_tokens
-        if seq.num_cached_prompt_tokens is None:
+        if seq.num_cached_prompt_tokens is None:  # its first admission: its tenant pays for what it computes
             seq.num_cached_prompt_tokens = 0 if leader else seq.num_cached_tokens
+            self.fair.charge(seq.tenant, prompt_tokens=len(seq.token_ids) - seq.num_cached_tokens)
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.status = Status.RUNNING
         self.running.append(seq)
@@ -231,7 +272,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
-        self._ranks.pop(seq.seq_id, None)
+        if self._ranks.pop(seq.seq_id, None) is not None:
+            self.fair.leave(seq.tenant)
         seq.status = Status.FINISHED
         # Forks still waiting for this sequence's prompt (it was aborted part-way) compute their own.
         for fork in [s for s in self.running if s.fork_of is seq and self._waits_for_leader(s)]:

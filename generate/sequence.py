@@ -78,6 +78,7 @@ class Sequence:
     fork_of: "Sequence | None" = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     priority: int = 0  # lower is more urgent (generate/priority.py)
+    tenant: str = ""  # whose request it is, for fair share (generate/fair_share.py); "": the shared tenant
     num_prompt_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" or "stop"

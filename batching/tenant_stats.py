@@ -1,0 +1,50 @@
+"""The live table's per-tenant rows (fair share, generate/fair_share.py), labelled `tenant`: at most
+MAX_LABELS tenants by name, the rest as "other"; the shared tenant (requests that name none) as "shared".
+Each row is `tenant_<what>` in /stats and `gpt2_tenant_<what>` in /metrics."""
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from batching.live_value import LiveValue
+from generate.fair_share import Ledger
+
+if TYPE_CHECKING:
+    from batching.live import LiveTable
+
+
+def _ledger(t: "LiveTable") -> Ledger:
+    return t.engine.scheduler.fair.ledger
+
+
+def _counted(what: str) -> Callable[["LiveTable"], dict[str, int]]:
+    """A reader of one of the ledger's counts."""
+    return lambda t: _ledger(t).read(getattr(_ledger(t), what))
+
+
+def _in_queue(queue: str) -> Callable[["LiveTable"], dict[str, int]]:
+    """A reader of the scheduler's `queue` (waiting or running), by tenant."""
+    return lambda t: _ledger(t).tally([s.tenant for s in list(getattr(t.engine.scheduler, queue))])
+
+
+ROWS = (
+    ("prompt_tokens", "counter", "Prompt tokens computed for each tenant (cache hits, recomputation not counted)"),
+    ("generated_tokens", "counter", "Tokens generated for each tenant"),
+    ("requests_running", "gauge", "Each tenant's sequences in the running batch"),
+    ("requests_waiting", "gauge", "Each tenant's sequences in the scheduler's queue"),
+    (
+        "requests_refused",
+        "counter",
+        "Requests refused at admission, by tenant (any reason; requests_refused by reason)",
+    ),
+)
+READERS = {
+    "prompt_tokens": _counted("prompt_tokens"),
+    "generated_tokens": _counted("generated_tokens"),
+    "requests_running": _in_queue("running"),
+    "requests_waiting": _in_queue("waiting"),
+    "requests_refused": _counted("refused"),
+}
+TENANT_VALUES = tuple(
+    LiveValue(f"tenant_{what}", f"gpt2_tenant_{what}", kind, help, READERS[what], label="tenant")
+    for what, kind, help in ROWS
+)
