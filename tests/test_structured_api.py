@@ -239,12 +239,18 @@ def calls_of(client, model, stream: bool, **kwargs) -> list[tuple[str, object, s
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_tool_calls_are_valid_calls_of_an_offered_function(client, model, stream):
-    for finish_reason, calls, content in calls_of(client, model, stream, tool_choice="required"):
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_tool_calls_are_valid_calls_of_an_offered_function(client, model, stream, parallel):
+    """At least one call; several only when parallel calls are allowed (OpenAI's default), each its own id."""
+    # seeded: with parallel calls, random weights may chain calls up to max_tokens (no call, "length")
+    extra = {"seed": 5} if parallel is None else {"parallel_tool_calls": parallel}
+    for finish_reason, calls, content in calls_of(client, model, stream, tool_choice="required", **extra):
         assert finish_reason == "tool_calls" and content is None
-        ((call_id, name, arguments),) = calls
-        assert call_id.startswith("call_") and name in PARAMETERS
-        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+        assert len(calls) >= 1 and (parallel is None or len(calls) == 1)
+        assert len({call_id for call_id, _, _ in calls}) == len(calls)
+        for call_id, name, arguments in calls:
+            assert call_id.startswith("call_") and name in PARAMETERS
+            jsonschema.validate(json.loads(arguments), PARAMETERS[name])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -255,6 +261,13 @@ def test_a_named_function_is_called_with_valid_arguments(client, model, stream):
         ((_, name, arguments),) = calls
         assert name == "get_time"
         jsonschema.validate(json.loads(arguments), TIME)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_call_cut_by_max_tokens_is_no_call(client, model, tool_choice):
+    """The answer is the text written so far, finish_reason "length", no tool_calls."""
+    for finish_reason, calls, content in calls_of(client, model, False, tool_choice=tool_choice, max_tokens=4):
+        assert finish_reason == "length" and calls == [] and content
 
 
 def test_none_offers_no_tools_and_replies_in_text(client, model):
