@@ -132,7 +132,7 @@ def observe(resp: requests.Response, check: str | None) -> dict:
     text = choice["text"] if "text" in choice else message.get("content")
     calls = message.get("tool_calls") or []
     return seen | {
-        "keys": sorted(body),
+        "keys": set(body),
         "finish_reason": choice["finish_reason"],
         "content": "null" if text is None else "empty" if text == "" else "text",
         "tool_calls": len(calls) if "tool_calls" in message else "absent",
@@ -172,9 +172,13 @@ def main() -> None:
     parser.add_argument("--json", help="write every observation here")
     args = parser.parse_args()
     models = {"ours": model_of(args.ours), "vllm": model_of(args.vllm)}
-    rows, differ = [], 0
+    rows, differ, extra = [], 0, {"ours": set(), "vllm": set()}
     for name, endpoint, body, check in CASES:
         seen = {side: observe(send(getattr(args, side), models[side], endpoint, body), check) for side in models}
+        keys = {side: seen[side].pop("keys", None) for side in seen}
+        if None not in keys.values():  # answer fields one side adds in every case are listed once, below
+            extra["ours"] |= keys["ours"] - keys["vllm"]
+            extra["vllm"] |= keys["vllm"] - keys["ours"]
         diff = {k: (seen["ours"].get(k), seen["vllm"].get(k)) for k in seen["ours"].keys() | seen["vllm"].keys()}
         diff = {k: v for k, v in sorted(diff.items()) if v[0] != v[1]}
         differ += bool(diff)
@@ -183,6 +187,8 @@ def main() -> None:
         for key, (ours, theirs) in diff.items():
             print(f"        {key}: ours {ours!r}  vllm {theirs!r}")
     print(f"{differ} of {len(CASES)} cases differ")
+    print(f"answer fields only this server sends: {sorted(extra['ours']) or 'none'}")
+    print(f"answer fields only vLLM sends: {sorted(extra['vllm']) or 'none'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
