@@ -58,6 +58,9 @@ class Settings:
     limit_by: str = "address"  # address: a client is its IP address; key: its Authorization header, if it sends one
     constraint_compile_timeout_s: float = 10.0  # structured output: a constraint compiling longer is refused (400)
     constraint_cache_size: int = 256  # structured output: compiled constraints kept (least recently used out)
+    # structured output: objects in a JSON schema that declare properties and say nothing of others admit
+    # only those (as vLLM's default engines do; generate/closed_objects.py); true: the spec's open objects
+    structured_open_objects: bool = False
     # Overload (docs/operations.md, "Priorities that preempt"): a request's priority level is worth this many
     # seconds of waiting (0: strict priority, which can starve); generate/priority.py
     priority_aging_s: float = 10.0

@@ -22,7 +22,7 @@ from api.openai_params import SharedFields, check_min_tokens, shared_fields
 from api.protocol import AssistantMessage, ChatBody, Content, JsonSchemaFormat, Message, ToolMessage, parse
 from api.serving import Server, check_fits, server
 from api.structured import Asked, compiled, guided, json_schema, one_constraint
-from api.tool_calls import StreamedReply, call_json, call_schema, new_call_id, split_reply
+from api.tool_calls import Calls, StreamedReply, call_json, call_schema, new_call_id, split_reply
 from api.validation import bad
 from batching.inference import Delta, Inference
 from generate.constraints import Constraint
@@ -38,7 +38,7 @@ class ChatRequest(NamedTuple):
     stop: tuple[str, ...]  # the request's and the template's
     tool_choice: str  # "none", "auto", "required", or "function": the reply must call `function`
     function: str | None  # the function named by tool_choice
-    call_opener: str  # the template's: what starts a call in a reply
+    calls: Calls  # how the reply writes its calls (opener None: the reply is calls, forced)
 
 
 def parse_chat(raw: Any, srv: Server) -> ChatRequest:
@@ -64,7 +64,20 @@ def parse_chat(raw: Any, srv: Server) -> ChatRequest:
         **shared.sampling,
     )
     stop = shared.stop + srv.chat_template.stop
-    return ChatRequest(prompt, params, shared, stop, choice, function, srv.chat_template.call_opener)
+    return ChatRequest(prompt, params, shared, stop, choice, function, _calls(body, choice, srv.chat_template))
+
+
+def _parallel(body: ChatBody, choice: str) -> bool:
+    """Whether a reply may make several calls: OpenAI's parallel_tool_calls (default true); a request
+    that names the function gets one call of it, as vLLM and OpenAI answer it."""
+    return choice in ("auto", "required") and body.parallel_tool_calls is not False
+
+
+def _calls(body: ChatBody, choice: str, template: ChatTemplate) -> Calls:
+    """How the reply writes its calls: after the opener with "auto", from the reply's start when forced;
+    parallel calls separated as the transcript separates an assistant turn's calls."""
+    separator = template.call_closer + template.call_opener if _parallel(body, choice) else None
+    return Calls(template.call_opener if choice == "auto" else None, separator, template.call_closer)
 
 
 def _tool_choice(body: ChatBody) -> tuple[str, str | None]:
@@ -88,13 +101,17 @@ def _chat_constraints(body: ChatBody, choice: str, function: str | None, templat
         asked.append(Asked("response_format", json_schema(schema)))
     elif body.response_format is not None and body.response_format.type == "json_object":
         asked.append(Asked("response_format", Constraint("json_object", "")))
+    if choice == "none":
+        return asked
+    assert body.tools is not None
+    schema, calls = call_schema(body.tools, function), _calls(body, choice, template)
     if choice == "auto":
-        assert body.tools is not None
-        spec = {"trigger": template.call_opener, "schema": call_schema(body.tools)}
+        spec = {"trigger": calls.opener, "schema": schema, "separator": calls.separator}
         asked.append(Asked("tools", Constraint("tool_auto", json.dumps(spec))))
-    elif choice != "none":
-        assert body.tools is not None
-        schema = call_schema(body.tools, function)
+    elif calls.separator is not None:
+        spec = {"schema": schema, "separator": calls.separator}
+        asked.append(Asked("tools", Constraint("tool_calls", json.dumps(spec))))
+    else:
         asked.append(Asked("tools", json_schema(schema)))
     return asked
 
@@ -183,16 +200,12 @@ def _choice(srv: Server, chat: ChatRequest, inf: Inference) -> dict:
         logprobs = {"content": _token_logprobs(srv, inf, 0, text_token_count(inf), chat.params.logprobs)}
     message, finish_reason = {"role": "assistant", "content": inf.text.text}, inf.finish_reason
     if chat.tool_choice != "none" and inf.finish_reason == "stop":
-        content, call = split_reply(inf.text.text, _opener(chat))
-        if call is not None:
-            message = {"role": "assistant", "content": content, "tool_calls": [call.as_openai(new_call_id())]}
+        content, calls = split_reply(inf.text.text, chat.calls)
+        if calls:
+            tool_calls = [call.as_openai(new_call_id()) for call in calls]
+            message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
             finish_reason = _call_finish_reason(chat)
     return {"index": inf.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def _opener(chat: ChatRequest) -> str | None:
-    """What starts the call in a reply: the template's opener with "auto"; None, the reply's start, when forced."""
-    return chat.call_opener if chat.tool_choice == "auto" else None
 
 
 def _call_finish_reason(chat: ChatRequest) -> str:
@@ -211,7 +224,7 @@ class _StreamedReplies:
     def __init__(self, srv: Server, chat: ChatRequest, req: Request):
         self.srv, self.chat, self.new_tokens = srv, chat, NewTokens(req)
         self.texts = [""] * len(req.completions)
-        self.replies = [StreamedReply(_opener(chat)) for _ in req.completions]
+        self.replies = [StreamedReply(chat.calls) for _ in req.completions]
 
     def render(self, delta: Delta) -> dict:
         inf, start, end = self.new_tokens.take(delta)

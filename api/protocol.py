@@ -36,6 +36,17 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class StructuredOutputs(Strict):
+    """vLLM's current field for one constraint (its guided_* fields' successor): exactly one of the kinds."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON Schema, or its JSON text
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: NonEmpty | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+
 class SamplingRequest(Strict):
     """The fields both endpoints share: model, n, sampling, stop, streaming, one constraint."""
 
@@ -63,6 +74,7 @@ class SamplingRequest(Strict):
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: NonEmpty | None = None  # Lark (vLLM's tests) or GBNF/EBNF (xgrammar's), told apart by syntax
     guided_whitespace_pattern: str | None = None  # JSON constraints: the whitespace allowed between tokens
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionBody(SamplingRequest):
@@ -175,7 +187,7 @@ class ChatBody(SamplingRequest):
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # at most one call is made per reply, which either value allows
+    parallel_tool_calls: bool | None = None  # None or true: a reply may make several calls; false: one at most
 
 
 # --- parsing -------------------------------------------------------------------------------------

@@ -40,7 +40,30 @@ def guided(body: SamplingRequest) -> list[Asked]:
     if ws is not None and [a.constraint.kind for a in asked] != ["json_schema"]:
         field = "guided_whitespace_pattern"
         raise bad(f"'{field}' applies to a JSON constraint ('guided_json') only", field)
-    return asked
+    return asked + structured_outputs(body)
+
+
+def structured_outputs(body: SamplingRequest) -> list[Asked]:
+    """The constraint vLLM's `structured_outputs` asks for: exactly one of its kinds, as vLLM requires."""
+    so = body.structured_outputs
+    if so is None:
+        return []
+    field, ws = "structured_outputs", so.whitespace_pattern
+    kinds = {
+        "json": lambda v: Constraint("json_schema", v if isinstance(v, str) else json.dumps(v), ws),
+        "regex": lambda v: Constraint("regex", v),
+        "choice": lambda v: Constraint("choice", json.dumps(v)),
+        "grammar": lambda v: Constraint(grammar_kind(v), v),
+        "json_object": lambda v: Constraint("json_object", "", ws),
+    }
+    values = {"json": so.json_, **so.model_dump(include={"regex", "choice", "grammar", "json_object"})}
+    given = [k for k in kinds if values[k] not in (None, False)]
+    if len(given) != 1:
+        raise bad(f"'{field}' must give exactly one of {', '.join(kinds)}; it gives {len(given)}", field)
+    (kind,) = given
+    if ws is not None and kind not in ("json", "json_object"):
+        raise bad(f"'{field}.whitespace_pattern' applies to a JSON constraint only", field)
+    return [Asked(field, kinds[kind](values[kind]))]
 
 
 def grammar_kind(grammar: str) -> str:

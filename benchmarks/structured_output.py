@@ -1,7 +1,8 @@
-"""Structured output's cost: 32 requests under a JSON-schema constraint against the same 32 without, on the engine.
+"""Structured output's cost: 32 requests under a JSON-schema (or regex) constraint against the same 32 without.
 
 Both runs sample at temperature 1 with the same seeds and ignore end-of-text, and the schema (an array of at
-least 20 objects) cannot end within the new tokens, so both generate exactly requests x new-tokens tokens and
+least 20 objects) or the regex (at least 40 lines) cannot end within the new tokens, so both generate exactly
+requests x new-tokens tokens and
 the only difference is the masks: filled each step by one batched llguidance call on a worker thread while the
 forward pass runs, then applied in the sampler. Runs alternate (free, constrained, free, constrained, ...) so
 that load from other processes falls on both alike.
@@ -11,10 +12,12 @@ time per step, and a projection for a GPU whose decode step takes --gpu-step-ms:
 pass, so a step pays only the part of the fill longer than the step.
 
 python -m benchmarks.structured_output --model gpt2-medium --kv-cache-gb 0.5
+python -m benchmarks.structured_output --model DIR --kind regex   (a checkpoint directory, e.g. a 2-layer one)
 """
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -56,8 +59,12 @@ SCHEMA = {
 }
 
 
-def run(engine: Engine, prompts: list[list[int]], new_tokens: int, constrained: bool) -> dict:
-    compiled = compile_constraint(Constraint("json_schema", json.dumps(SCHEMA))) if constrained else None
+REGEX = r"([a-z]{1,8} [0-9]{1,4}\n){40,}"
+CONSTRAINTS = {"json_schema": Constraint("json_schema", json.dumps(SCHEMA)), "regex": Constraint("regex", REGEX)}
+
+
+def run(engine: Engine, prompts: list[list[int]], new_tokens: int, constraint: Constraint | None) -> dict:
+    compiled = compile_constraint(constraint) if constraint else None
     seqs = [
         Sequence(list(p), SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, constraint=compiled))
         for i, p in enumerate(prompts)
@@ -85,7 +92,8 @@ def run(engine: Engine, prompts: list[list[int]], new_tokens: int, constrained: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2-medium", help="a preset name; random weights")
+    parser.add_argument("--model", default="gpt2-medium", help="a preset name (random weights), or a checkpoint dir")
+    parser.add_argument("--kind", choices=sorted(CONSTRAINTS), default="json_schema")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -93,24 +101,26 @@ def main() -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
     parser.add_argument("--gpu-step-ms", type=float, default=2.0)
     args = parser.parse_args()
-    loaded = load_model(f"random:{args.model}", torch.device("cpu"), torch.float32)
+    spec = args.model if os.path.isdir(args.model) else f"random:{args.model}"
+    loaded = load_model(spec, torch.device("cpu"), torch.float32)
     settings = Settings(kv_cache_gb=args.kv_cache_gb)
     num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(torch.float32), 4 * 2**30)
     engine = Engine(ModelRunner.from_settings(loaded.model, num_blocks, settings), num_blocks, settings, loaded.name)
     rng = random.Random(0)
     prompts = [[rng.randrange(50256) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     print(
-        f"random:{args.model} on CPU ({torch.get_num_threads()} threads), {args.requests} requests at once, "
+        f"{loaded.name} on CPU ({torch.get_num_threads()} threads), {args.requests} requests at once, "
         f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, temperature 1; means over decode steps"
     )
     print(f"{'run':<14}{'tok/s':>8}{'forward ms':>12}{'mask ms':>9}{'sample ms':>11}{'fill ms':>9}")
     results: dict[bool, list[dict]] = {False: [], True: []}
-    run(engine, prompts[:2], 4, True)  # warm up: the first mask fills build the lexer's tables
+    constraint = CONSTRAINTS[args.kind]
+    run(engine, prompts[:2], 4, constraint)  # warm up: the first mask fills build the lexer's tables
     for _ in range(args.rounds):
         for constrained in (False, True):
-            r = run(engine, prompts, args.new_tokens, constrained)
+            r = run(engine, prompts, args.new_tokens, constraint if constrained else None)
             results[constrained].append(r)
-            name = "json_schema" if constrained else "unconstrained"
+            name = args.kind if constrained else "unconstrained"
             print(
                 f"{name:<14}{r['tokens_per_s']:>8.1f}{r['forward_ms']:>12.1f}{r['mask_ms']:>9.2f}"
                 f"{r['sample_ms']:>11.2f}{r['fill_ms']:>9.2f}"

@@ -13,13 +13,17 @@ A `Constraint` says what the output must be; `compile_constraint` turns it into 
     lark          a grammar in llguidance's Lark syntax (vLLM's `start: ...` Lark grammars, and
                   lazy lexemes, `%json {...}` and the rest of llguidance's extensions)
     ebnf          a grammar in GBNF / xgrammar EBNF (`root ::= ...`), converted to Lark
-    tool_auto     JSON {"trigger": str, "schema": {...}}: free text that may not contain `trigger`; once
-                  the text writes `trigger`, the rest is one JSON value of `schema`, and the grammar
-                  ends after it. Built as a Lark grammar with a lazy head (`head[lazy]: TEXT trigger`).
+    tool_auto     JSON {"trigger": str, "schema": {...}, "separator"?: str}: free text that may not
+                  contain `trigger`; once the text writes `trigger`, the rest is a call (one JSON value
+                  of `schema`), or with `separator` several, `separator` between two
+                  (generate/tool_grammars.py)
+    tool_calls    JSON {"schema": {...}, "separator": str}: one call or more, `separator` between two
 
 JSON kinds take `whitespace_pattern` (a regex for the whitespace allowed between tokens of the
 JSON); without it the JSON is written compactly, as `json.dumps` writes it (", " and ": "),
-which keeps small models from looping on whitespace.
+which keeps small models from looping on whitespace. Objects in a schema admit only their
+declared properties unless the schema says otherwise (generate/closed_objects.py);
+STRUCTURED_OPEN_OBJECTS restores the JSON Schema spec's open objects.
 
 The compiled form holds a fresh llguidance matcher; every sequence takes its own copy
 (`CompiledConstraint.matcher`), so n completions and forks each have their own state.
@@ -41,9 +45,11 @@ from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.tiktoken import lltokenizer_from_encoding
 
 from config import Settings
+from generate.closed_objects import close_objects
+from generate.tool_grammars import ToolGrammarError, tool_lark
 from model.tokenizer import EOT_ID, load_tokenizer
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "ebnf", "tool_auto")
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "ebnf", "tool_auto", "tool_calls")
 _NAMES = dict(
     json_schema="JSON schema",
     json_object="JSON object",
@@ -52,6 +58,7 @@ _NAMES = dict(
     lark="Lark grammar",
     ebnf="EBNF grammar",
     tool_auto="tool_auto grammar",
+    tool_calls="tool_calls grammar",
 )
 JSON_KINDS = ("json_schema", "json_object")
 VOCAB_SIZE = EOT_ID + 1
@@ -101,8 +108,11 @@ def to_grammar(c: Constraint) -> str:
         return llguidance.LLMatcher.grammar_from_lark(f"start: /{_lark_regex(c.spec)}/")
     if c.kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark(_choice_lark(c.spec))
-    if c.kind == "tool_auto":
-        return llguidance.LLMatcher.grammar_from_lark(_tool_auto_lark(c.spec))
+    if c.kind in ("tool_auto", "tool_calls"):
+        try:
+            return llguidance.LLMatcher.grammar_from_lark(tool_lark(c.kind, c.spec, _close))
+        except ToolGrammarError as e:
+            raise ConstraintError(str(e)) from None
     text = c.spec
     if c.kind == "ebnf":
         try:
@@ -121,6 +131,7 @@ def _json_grammar(schema_text: str, whitespace_pattern: str | None) -> str:
         raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, dict | bool):
         raise ConstraintError("a JSON schema must be an object (or true/false)")
+    schema = _close(schema)
     if whitespace_pattern is None:
         options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     else:
@@ -129,6 +140,11 @@ def _json_grammar(schema_text: str, whitespace_pattern: str | None) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as e:
         raise ConstraintError(f"invalid JSON schema: {e}") from None
+
+
+def _close(schema: dict | bool) -> dict | bool:
+    """The schema as the grammar holds output to it: objects closed unless STRUCTURED_OPEN_OBJECTS."""
+    return schema if _settings.structured_open_objects else close_objects(schema)
 
 
 def _lark_regex(regex: str) -> str:
@@ -150,24 +166,6 @@ def _choice_lark(spec: str) -> str:
     if not choices or not all(choices):
         raise ConstraintError("the choice list must hold at least one non-empty string")
     return "start: " + " | ".join(json.dumps(x) for x in choices)
-
-
-def _tool_auto_lark(spec: str) -> str:
-    try:
-        spec_value = json.loads(spec)
-        trigger, schema = spec_value["trigger"], spec_value["schema"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ConstraintError('a tool_auto constraint is JSON {"trigger": str, "schema": {...}}') from None
-    if not isinstance(trigger, str) or not trigger or not isinstance(schema, dict):
-        raise ConstraintError("tool_auto: trigger must be a non-empty string and schema an object")
-    return "\n".join(
-        [
-            "start: TEXT | call",
-            f"call: head %json {json.dumps(schema)}",
-            f"head[lazy]: TEXT {json.dumps(trigger)}",  # lazy: the head ends at the trigger's first occurrence
-            r"TEXT: /(.|\n)*/",
-        ]
-    )
 
 
 class _Cache:
@@ -194,6 +192,10 @@ class _Cache:
                 self.entries.popitem(last=False)
             return future, True
 
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+
     def forget(self, c: Constraint, future: Future) -> None:
         with self.lock:
             self.failures += 1
@@ -214,6 +216,8 @@ def configure(settings: Settings) -> None:
     """Take the compile time limit and cache size from the server's settings, and build the vocabulary's
     tables now rather than in the first constrained request (the engine calls this)."""
     global _settings
+    if settings.structured_open_objects != _settings.structured_open_objects:
+        _cache.clear()  # the cache is keyed by the constraint alone: its entries hold the other closing
     _settings = settings
     tokenizer()
 

@@ -239,12 +239,19 @@ def calls_of(client, model, stream: bool, **kwargs) -> list[tuple[str, object, s
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_tool_calls_are_valid_calls_of_an_offered_function(client, model, stream):
-    for finish_reason, calls, content in calls_of(client, model, stream, tool_choice="required"):
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_tool_calls_are_valid_calls_of_an_offered_function(client, model, stream, parallel):
+    """At least one call; several only when parallel calls are allowed (OpenAI's default), each its own id."""
+    # With parallel calls random weights choose after each call whether to call again: room for many
+    # calls, and a seed, so that the run is repeatable (a chain cut by max_tokens would be no call)
+    extra = {"seed": 5, "max_tokens": 600} if parallel is None else {"parallel_tool_calls": parallel}
+    for finish_reason, calls, content in calls_of(client, model, stream, tool_choice="required", **extra):
         assert finish_reason == "tool_calls" and content is None
-        ((call_id, name, arguments),) = calls
-        assert call_id.startswith("call_") and name in PARAMETERS
-        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+        assert len(calls) >= 1 and (parallel is None or len(calls) == 1)
+        assert len({call_id for call_id, _, _ in calls}) == len(calls)
+        for call_id, name, arguments in calls:
+            assert call_id.startswith("call_") and name in PARAMETERS
+            jsonschema.validate(json.loads(arguments), PARAMETERS[name])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -255,6 +262,13 @@ def test_a_named_function_is_called_with_valid_arguments(client, model, stream):
         ((_, name, arguments),) = calls
         assert name == "get_time"
         jsonschema.validate(json.loads(arguments), TIME)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_call_cut_by_max_tokens_is_no_call(client, model, tool_choice):
+    """The answer is the text written so far, finish_reason "length", no tool_calls."""
+    for finish_reason, calls, content in calls_of(client, model, False, tool_choice=tool_choice, max_tokens=4):
+        assert finish_reason == "length" and calls == [] and content
 
 
 def test_none_offers_no_tools_and_replies_in_text(client, model):
@@ -307,10 +321,14 @@ def one_token_opener_url(tiny_checkpoint, tmp_path_factory):
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_constrains_the_call_once_the_reply_writes_the_opener(one_token_opener_url, stream):
     """A logit bias makes the reply write the one-token opener first: from there the grammar holds the reply
-    to a call of an offered function."""
+    to a call of an offered function. (One call: with parallel calls, the opener is also the separator
+    between two, and the bias would make the reply call again after every call.)"""
     (opener,) = TOKENIZER.encode(">>>")
     client = openai.OpenAI(base_url=f"{one_token_opener_url}/v1", api_key="unused", max_retries=0)
-    for finish_reason, calls, _ in calls_of(client, None, stream, tool_choice="auto", logit_bias={str(opener): 100}):
+    bias = {str(opener): 100}
+    for finish_reason, calls, _ in calls_of(
+        client, None, stream, tool_choice="auto", logit_bias=bias, parallel_tool_calls=False
+    ):
         assert finish_reason == "tool_calls"
         ((_, name, arguments),) = calls
         jsonschema.validate(json.loads(arguments), PARAMETERS[name])

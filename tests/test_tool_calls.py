@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from api.chat_template import ChatTemplate
 from api.protocol import ChatBody, CompletionBody, parse
-from api.structured import grammar_kind
-from api.tool_calls import StreamedReply, call_json, call_schema, split_reply
+from api.structured import grammar_kind, guided
+from api.tool_calls import Call, Calls, StreamedReply, call_json, call_schema, split_reply
 from api.validation import ApiError
 
 TEMPLATE = ChatTemplate.load()
@@ -18,59 +18,81 @@ OPENER = TEMPLATE.call_opener
 ARGS = {"city": "Oslo", "days": [1, 2], "where": {"lat": 59.9, "note": 'a } and " inside'}}
 
 
+SEPARATOR = TEMPLATE.call_closer + OPENER
+FORCED, AUTO = Calls(None, SEPARATOR, TEMPLATE.call_closer), Calls(OPENER, SEPARATOR, TEMPLATE.call_closer)
+
+
 def test_a_whole_call_reads_back_with_its_arguments_as_written():
     arguments = json.dumps(ARGS)
-    content, call = split_reply(call_json("get_weather", arguments), None)
-    assert content is None and call.name == "get_weather" and call.arguments == arguments
-    assert json.loads(call.arguments) == ARGS
+    for calls in (Calls(None), FORCED):
+        content, read = split_reply(call_json("get_weather", arguments), calls)
+        assert content is None and read == [Call("get_weather", arguments)]
+        assert json.loads(read[0].arguments) == ARGS
 
 
 def test_auto_splits_content_before_the_opener_from_the_call():
     text = "Let me look. " + OPENER + call_json("f", '{"x": 1}')
-    content, call = split_reply(text, OPENER)
-    assert content == "Let me look. " and (call.name, call.arguments) == ("f", '{"x": 1}')
-    assert split_reply("no call here", OPENER) == ("no call here", None)
+    assert split_reply(text, AUTO) == ("Let me look. ", [Call("f", '{"x": 1}')])
+    assert split_reply("no call here", AUTO) == ("no call here", [])
+
+
+def test_parallel_calls_read_back_in_order_and_a_separator_inside_a_string_is_not_a_boundary():
+    tricky = json.dumps({"s": SEPARATOR + '{"name": "g"'})
+    text = call_json("f", '{"x": 1}') + SEPARATOR + call_json("g", tricky) + SEPARATOR + call_json("f", "{}")
+    assert split_reply(text, FORCED) == (None, [Call("f", '{"x": 1}'), Call("g", tricky), Call("f", "{}")])
+    # one call at most (parallel_tool_calls false): what follows the first call is not a call
+    assert split_reply(text, Calls(None)) == (text, [])
 
 
 @pytest.mark.parametrize("cut", [5, 20, -3])
 def test_a_call_cut_short_is_no_call_and_the_text_stays(cut):
     text = call_json("f", json.dumps(ARGS))[:cut]
-    assert split_reply(text, None) == (text, None)
-    assert split_reply("hi " + OPENER + text, OPENER) == ("hi " + OPENER + text, None)
+    assert split_reply(text, FORCED) == (text, [])
+    assert split_reply("hi " + OPENER + text, AUTO) == ("hi " + OPENER + text, [])
+    # a whole call then a cut one: no call is reported, not the whole one alone
+    two = call_json("f", "{}") + SEPARATOR + text
+    assert split_reply(two, FORCED) == (two, [])
 
 
-def streamed(text: str, opener: str | None, cuts: list[int]) -> tuple[str, dict | None, str]:
-    """The content, the first tool_calls piece (id, name) and the joined arguments a stream gives for
-    `text` delivered in pieces ending at `cuts`."""
-    reply, content, first, arguments = StreamedReply(opener), "", None, ""
+def streamed(text: str, calls: Calls, cuts: list[int]) -> tuple[str, list[dict], list[str]]:
+    """The content, each call's first tool_calls piece (id, name) and its joined arguments, that a
+    stream gives for `text` delivered in pieces ending at `cuts`."""
+    reply, content, firsts, arguments = StreamedReply(calls), "", [], []
     ends = sorted({c for c in cuts if 0 < c < len(text)}) + [len(text)]
     for end in ends:
         delta = reply.delta(text[:end], finished=end == len(text))
         content += delta.get("content", "")
         for piece in delta.get("tool_calls", []):
-            assert piece["index"] == 0
-            first = first or piece
-            arguments += piece["function"]["arguments"]
-    return content, first, arguments
+            if "id" in piece:
+                assert piece["index"] == len(firsts)
+                firsts.append(piece)
+                arguments.append("")
+            arguments[piece["index"]] += piece["function"]["arguments"]
+    return content, firsts, arguments
 
 
 @given(
-    args=st.dictionaries(
-        st.text(max_size=5), st.recursive(st.integers() | st.text(max_size=6), lambda x: st.lists(x, max_size=3))
+    args=st.lists(
+        st.dictionaries(
+            st.text(max_size=5), st.recursive(st.integers() | st.text(max_size=6), lambda x: st.lists(x, max_size=3))
+        ),
+        min_size=1,
+        max_size=3,
     ),
     before=st.text(alphabet="ab <_tol>{}", max_size=12).filter(lambda t: OPENER not in t),
-    cuts=st.lists(st.integers(0, 200), max_size=30),
+    cuts=st.lists(st.integers(0, 300), max_size=30),
     auto=st.booleans(),
 )
 def test_streamed_pieces_join_to_the_whole_reply_however_the_text_is_cut(args, before, cuts, auto):
-    call = call_json("lookup", json.dumps(args))
-    text = before + OPENER + call if auto else call
-    opener = OPENER if auto else None
-    content, first, arguments = streamed(text, opener, cuts)
-    whole_content, whole_call = split_reply(text, opener)
-    assert content == (whole_content or "") and arguments == whole_call.arguments
-    assert first["id"].startswith("call_") and first["type"] == "function"
-    assert first["function"]["name"] == "lookup" and json.loads(arguments) == args
+    text = SEPARATOR.join(call_json(f"f{i}", json.dumps(a)) for i, a in enumerate(args))
+    text = before + OPENER + text if auto else text
+    calls = AUTO if auto else FORCED
+    content, firsts, arguments = streamed(text, calls, cuts)
+    whole_content, whole_calls = split_reply(text, calls)
+    assert content == (whole_content or "") and arguments == [c.arguments for c in whole_calls]
+    assert len({f["id"] for f in firsts}) == len(args) and all(f["id"].startswith("call_") for f in firsts)
+    assert [f["function"]["name"] for f in firsts] == [f"f{i}" for i in range(len(args))]
+    assert [json.loads(a) for a in arguments] == args
 
 
 def test_call_schema_ties_each_name_to_its_own_arguments():
@@ -175,3 +197,36 @@ def test_null_fields_are_not_given_and_priority_defaults_to_zero():
 )
 def test_a_grammars_syntax_is_told_by_how_its_rules_are_written(grammar, kind):
     assert grammar_kind(grammar) == kind
+
+
+def test_each_functions_definitions_keep_their_own_meaning_in_the_call_schema():
+    def tool(name: str, kind: str) -> dict:
+        parameters = {"$defs": {"P": {"type": kind}}, "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"]}
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    body = {"messages": MESSAGES, "tools": [tool("a", "integer"), tool("b", "string")]}
+    schema = call_schema(parse(ChatBody, body, "chat").tools)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate({"name": "a", "arguments": {"p": 1}}, schema)
+    jsonschema.validate({"name": "b", "arguments": {"p": "s"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "a", "arguments": {"p": "s"}}, schema)
+
+
+@pytest.mark.parametrize(
+    ("given", "kind"),
+    [({"json": {"type": "object"}}, "json_schema"), ({"regex": "a+"}, "regex"), ({"choice": ["a"]}, "choice")]
+    + [({"grammar": "start: /a/"}, "lark"), ({"json_object": True}, "json_object")],
+)
+def test_vllms_structured_outputs_field_asks_for_the_same_constraints(given, kind):
+    body = parse(ChatBody, {"messages": MESSAGES, "structured_outputs": given}, "chat")
+    ((field, constraint),) = guided(body)
+    assert field == "structured_outputs" and constraint.kind == kind
+
+
+@pytest.mark.parametrize("given", [{}, {"regex": "a", "choice": ["a"]}, {"regex": "a", "whitespace_pattern": " "}])
+def test_structured_outputs_must_give_one_constraint(given):
+    body = parse(ChatBody, {"messages": MESSAGES, "structured_outputs": given}, "chat")
+    with pytest.raises(ApiError) as caught:
+        guided(body)
+    assert caught.value.status == 400 and caught.value.param == "structured_outputs"
