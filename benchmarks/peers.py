@@ -169,8 +169,8 @@ def start_system(
         send = functools.partial(stream_completion, url, temperature=0.0, timeout=args.timeout)
         return proc, send, {"command": "./server.sh dynamic", "env": {"MODEL": str(hf_dir), **args.server_env}}
     if system == VLLM:
-        # the same KV pool as this server's and llama-server's: KV_TOKENS tokens
-        kv_gb = KV_TOKENS * PRESETS[args.model].kv_bytes_per_token(getattr(torch, args.dtype)) / 1e9
+        # at least this server's and llama-server's KV pool (KV_TOKENS tokens): vLLM takes whole GiB
+        kv_gb = math.ceil(KV_TOKENS * PRESETS[args.model].kv_bytes_per_token(getattr(torch, args.dtype)) / 2**30)
         flags = shlex.split(args.vllm_flags)
         proc, url, command = vllm_server.start(
             args.vllm_python, hf_dir, log_dir, args.dtype, args.threads, kv_gb, flags

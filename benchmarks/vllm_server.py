@@ -39,14 +39,14 @@ def version(python: Path) -> str:
 
 
 def start(
-    python: Path, hf_dir: Path, log_dir: Path, dtype: str, threads: int, kv_cache_gb: float, flags: list[str]
+    python: Path, hf_dir: Path, log_dir: Path, dtype: str, threads: int, kv_cache_gib: int, flags: list[str]
 ) -> tuple[subprocess.Popen, str, list[str]]:
     """vLLM's API server on `hf_dir` on a free port, healthy: its process, URL and command line. Its first start
     compiles the model (minutes; cached in ~/.cache/vllm), so the health deadline is the launcher's long one."""
     port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir.resolve())]
     command += ["--dtype", dtype, "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port), *flags]
-    env = CPU_ENV | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gb:g}"}
+    env = CPU_ENV | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
     proc, url = start_command(command, log_dir / f"vllm-{port}.log", port, **env)
     return proc, url, command
 
