@@ -41,6 +41,7 @@ class Settings:
     shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
     attention_backend: str = "auto"  # auto: triton on CUDA when installed, else reference
     cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
+    cpu_linear: str = "auto"  # matrix products on a CPU: auto (oneDNN in float32), onednn, aten (model/cpu_linear.py)
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
     chat_template: str = ""  # /v1/chat/completions: a template file (api/chat_template.toml's shape); empty: that one
     replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
@@ -95,6 +96,8 @@ class Settings:
             raise ValueError(f"ATTENTION_BACKEND must be auto, reference or triton, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off"):
             raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
+        if self.cpu_linear not in ("auto", "onednn", "aten"):
+            raise ValueError(f"CPU_LINEAR must be auto, onednn or aten, got {self.cpu_linear!r}")
         if self.step_log_size < 1 or self.request_event_log_size < 1:
             raise ValueError("STEP_LOG_SIZE and REQUEST_EVENT_LOG_SIZE must be at least 1")
         if self.constraint_compile_timeout_s <= 0 or self.constraint_cache_size < 1:

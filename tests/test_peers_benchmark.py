@@ -1,5 +1,5 @@
-"""The llama.cpp comparison's parts that need no llama.cpp: the tokenizer files its converter reads, the requests,
-the greedy agreement, the memory of a process tree, and the error when llama-server is missing."""
+"""The peers comparison's parts that need no peer: the tokenizer files llama.cpp's converter and vLLM read, the
+requests, the greedy agreement, the memory of a process tree, and the errors when a peer is missing."""
 
 import subprocess
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gguf_files import tokenizer_files
-from benchmarks.llama_cpp import main, parse_args, requests_for, workload
-from benchmarks.llama_cpp_report import same_outputs
+from benchmarks.gguf_files import tokenizer_files, write_tokenizer_json
+from benchmarks.peers import main, parse_args, requests_for, workload
+from benchmarks.peers_report import same_outputs
 from client.memory import PeakMemory, tree_memory_kb
 from model.tokenizer import EOT_ID, load_tokenizer
 
@@ -34,6 +34,22 @@ def test_the_tokenizer_files_make_gpt2s_tokenizer(tmp_path):
     for text, ids in KNOWN.items():
         assert hf.encode(text) == ids
     assert hf.encode(MIXED) == load_tokenizer().encode(MIXED)
+
+
+def test_the_tokenizer_json_makes_gpt2s_tokenizer(tmp_path):
+    """tokenizer.json (what vLLM loads, through transformers) encodes and decodes as the server's tokenizer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    write_tokenizer_json(*tokenizer_files(), tmp_path / "tokenizer.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    for text, ids in KNOWN.items():
+        assert hf.encode(text) == ids
+    ours = load_tokenizer().encode(MIXED + "<|endoftext|>", allowed_special="all")
+    assert hf.encode(MIXED + "<|endoftext|>") == ours and ours[-1] == EOT_ID
+    assert hf.decode(ours) == MIXED + "<|endoftext|>"
 
 
 def test_requests_are_deterministic_within_their_ranges():
@@ -68,6 +84,20 @@ def test_a_missing_llama_server_is_one_line_naming_the_flag_and_the_readme(tmp_p
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and "--llama-server" in error and "docs/benchmarks.md" in error
     assert not any(tmp_path.iterdir())  # nothing converted, nothing started
+
+
+def test_vllm_needs_the_python_of_its_own_environment(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--systems", "ours,vllm"])
+    assert "--vllm-python" in capsys.readouterr().err
+    argv = ["--systems", "ours,vllm", "--vllm-python", str(tmp_path / "nowhere"), "--work-dir", str(tmp_path)]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "--vllm-python" in error
+    assert not any(tmp_path.iterdir())  # nothing written, nothing started
+    # a python that cannot import vllm (this one: vLLM is never installed beside the server)
+    assert main([*argv[:3], sys.executable, *argv[4:]]) == 2
+    assert "cannot import vllm" in capsys.readouterr().err
 
 
 def _run(texts: list[str | None]) -> dict:
