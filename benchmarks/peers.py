@@ -176,7 +176,7 @@ def start_system(
             args.vllm_python, hf_dir, log_dir, args.dtype, args.threads, kv_gb, flags
         )
         model = str(hf_dir.resolve())  # vLLM names the model by the path it was given
-        send = functools.partial(vllm_server.stream_completion, url, model=model, timeout=args.timeout)
+        send = functools.partial(stream_completion, url, temperature=0.0, timeout=args.timeout, model=model)
         return proc, send, {"command": shlex.join(command), "env": {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gb:g}"}}
     flags = shlex.split(args.llama_flags)
     proc, url, command = llama_server.start(

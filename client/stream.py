@@ -15,8 +15,12 @@ from client.metrics import RequestResult, failure, streamed
 from client.workloads import Request
 
 
-def stream_completion(url: str, request: Request, *, temperature: float, timeout: float) -> RequestResult:
-    """Send `request` and time it; never raises for a failed request, which is recorded instead."""
+def stream_completion(
+    url: str, request: Request, *, temperature: float, timeout: float, model: str | None = None
+) -> RequestResult:
+    """Send `request` (to `model`, if the server needs one named) and time it; never raises for a failed request,
+    which is recorded instead. Any OpenAI-compatible server that takes token-id prompts and vLLM's `ignore_eos`
+    answers it: this one, and vLLM (benchmarks/vllm_server.py)."""
     body = {
         "prompt": request.prompt_ids,
         "max_tokens": request.num_tokens,
@@ -25,7 +29,7 @@ def stream_completion(url: str, request: Request, *, temperature: float, timeout
         "ignore_eos": True,  # exactly the requested length, so every mode does the same work
         "stream": True,
         "stream_options": {"include_usage": True},
-    }
+    } | ({"model": model} if model else {})
     start = time.perf_counter()
     try:
         arrivals, usage, replica, text = _read_stream(url, body, timeout)
