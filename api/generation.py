@@ -17,6 +17,7 @@ from api.validation import ApiError
 from batching.inference import Delta, Inference
 from batching.text_stream import TextStream
 from generate.sequence import SamplingParams
+from model.lora import LoraAdapter
 from model.tokenizer import EOT_ID
 
 SEED_LIMIT = 2**63
@@ -40,6 +41,7 @@ def start(
     stop: tuple[str, ...],
     stream: bool,
     priority: int = 0,
+    lora: LoraAdapter | None = None,
 ) -> Request:
     """Submit n completions of every prompt; the first of each prompt leads, the others fork from it."""
     chunks = queue.SimpleQueue() if stream else None
@@ -50,7 +52,9 @@ def start(
             own = params if params.seed is None else replace(params, seed=(params.seed + j) % SEED_LIMIT)
             text = TextStream(srv.tokenizer, stop)
             index = len(completions)
-            inf = Inference(prompt, own, text=text, chunks=chunks, index=index, fork_of=leader, priority=priority)
+            inf = Inference(
+                prompt, own, text=text, chunks=chunks, index=index, fork_of=leader, priority=priority, lora=lora
+            )
             leader = leader or inf
             completions.append(inf)
     submit(srv, *completions)

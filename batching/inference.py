@@ -4,10 +4,13 @@ import queue
 import threading
 import time
 from dataclasses import InitVar, dataclass, field
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 from batching.text_stream import TextStream
 from generate.sequence import SamplingParams, Sequence
+
+if TYPE_CHECKING:
+    from model.lora import LoraAdapter
 
 
 class Delta(NamedTuple):
@@ -32,6 +35,7 @@ class Inference:
     index: int = 0  # which completion of its request
     fork_of: InitVar["Inference | None"] = None  # a completion of the same prompt added just before this one
     priority: int = 0  # lower is more urgent (generate/priority.py)
+    lora: "LoraAdapter | None" = None  # the adapter it runs through (the request's "model"); None: the base model
     seq: Sequence = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)  # set exactly once
     arrival: float = field(default_factory=time.monotonic)
@@ -46,7 +50,9 @@ class Inference:
 
     def __post_init__(self, fork_of: "Inference | None") -> None:
         leader = fork_of.seq if fork_of is not None else None
-        self.seq = Sequence(list(self.prompt_ids), self.params, stop=self.text, fork_of=leader, priority=self.priority)
+        self.seq = Sequence(
+            list(self.prompt_ids), self.params, stop=self.text, fork_of=leader, priority=self.priority, lora=self.lora
+        )
 
     @property
     def generated_ids(self) -> list[int]:

@@ -100,6 +100,7 @@ class BatchingManager:
             self._incoming.append(infs)
             self._num_incoming += len(infs)
             for inf in infs:
+                self.engine.loras.hold(inf.lora)  # its adapter stays loaded until it is answered
                 self._record(inf, "arrived")
             self._cond.notify()
         return infs
@@ -293,6 +294,7 @@ class BatchingManager:
 
     def _answer(self, inf: Inference, error: str | None = None) -> None:
         inf.finish(error)
+        self.engine.loras.release(inf.lora)
         self.live.answered(inf)
         if error is None:
             self._record(inf, "finished", ttft_s=inf.ttft_s, latency_s=inf.latency_s)

@@ -25,6 +25,10 @@ no budget, until the leader has computed them; then it computes only its prompt'
 partial block and goes on alone. The prompt is computed once, with or without the prefix
 cache. A fork that cannot share (its leader gone, or itself preempted) computes its prompt
 like any other sequence. A fork is admitted after its leader, so it is preempted before it.
+
+LoRA adapters: no more than MAX_LORAS distinct adapters run at once (the device has that many
+slots, and every running sequence may be in one step), so a waiting sequence whose adapter would be
+one too many waits, blocking those behind it, until a running adapter's sequences are all done.
 """
 
 import bisect
@@ -45,6 +49,7 @@ class Scheduler:
         chunked_prefill: bool,
         priority_aging_s: float = 0.0,
         priority_prefill_first: bool = False,
+        max_loras: int = 0,
     ):
         # Every running sequence decodes one token per step, so no more may run than the budget has tokens.
         assert 1 <= max_num_seqs <= max_num_batched_tokens
@@ -54,6 +59,7 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.priority_aging_s = priority_aging_s
         self.priority_prefill_first = priority_prefill_first
+        self.max_loras = max_loras  # distinct LoRA adapters running at once; 0: no limit
         self._prefilling: int | None = None  # the most urgent priority with a prompt chunk in this step
         # Keep a few blocks back when admitting beside running sequences, so that their
         # next decode steps do not immediately preempt the newcomer.
@@ -126,6 +132,8 @@ class Scheduler:
         running ones for them; those that compute now join `scheduled` (where a preempted one leaves it)."""
         while self.waiting:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break
             leader = self._running_leader(seq)
             if leader is None and budget == 0:
                 break  # a fork needs no budget until its leader has computed what they share
@@ -144,6 +152,13 @@ class Scheduler:
                 if seq.num_scheduled_tokens:
                     self._note_prefill(seq)
                     scheduled.append(seq)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s adapter is running already or one more adapter may run (MAX_LORAS)."""
+        if not seq.lora_id or not self.max_loras:
+            return True
+        running = {s.lora_id for s in self.running} - {0}
+        return seq.lora_id in running or len(running) < self.max_loras
 
     def _held_back(self, seq: Sequence) -> bool:
         """A prompt chunk that waits this step for a more urgent prompt's (PRIORITY_PREFILL_FIRST)."""
