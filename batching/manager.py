@@ -117,6 +117,15 @@ class BatchingManager:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """The LoRA adapters of running requests, and of waiting ones (here or in the engine's queue), by name."""
+        with self._cond:  # the queue changes under this lock; the engine's lists are copied whole (under the GIL)
+            queued = [inf.lora for request in self._incoming for inf in request]
+        scheduler = self.engine.scheduler
+        waiting = queued + [seq.lora for seq in list(scheduler.waiting)]
+        names = lambda loras: sorted({a.name for a in loras if a is not None})  # noqa: E731
+        return names(seq.lora for seq in list(scheduler.running)), names(waiting)
+
     def finished_steps(self) -> list[StepRecord]:
         """Kept step records whose figures are final (not the running step's), oldest first."""
         done = self.steps_done  # read first: records up to here are no longer written
@@ -309,7 +318,10 @@ class BatchingManager:
         generated = len(inf.generated_ids) if generated is None else generated
         constraint = inf.seq.params.constraint
         constraint_kind = constraint.constraint.kind if constraint is not None else None
-        self.events.record(inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, constraint_kind, **ending)
+        lora = inf.lora.name if inf.lora is not None else None
+        self.events.record(
+            inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, constraint_kind, lora, **ending
+        )
         inf.phase = PHASE_AFTER[kind] or kind
 
     def _fail_everything(self, reason: str) -> None:

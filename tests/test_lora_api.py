@@ -3,6 +3,8 @@ picked by "model" on every generation endpoint and the Batch API; bad input is a
 
 import io
 import json
+import threading
+import time
 
 import pytest
 from conftest import random_prompts, wait_until
@@ -116,3 +118,22 @@ def test_batch_api_lines_pick_their_adapter(lora_app, peft_greedy):
         "alpha": tokenizer.decode(peft_greedy("alpha", prompt, NEW_TOKENS)),
         "base": tokenizer.decode(peft_greedy(None, prompt, NEW_TOKENS)),
     }
+
+
+def test_metrics_gauge_and_timeline_name_the_adapters(lora_app):
+    app, client = lora_app
+    manager = app.extensions["server"].manager
+    running = threading.Thread(
+        target=complete, args=(app.test_client(), "alpha", [1, 2, 3]), kwargs={"max_tokens": 100}
+    )
+    running.start()
+    wait_until(lambda: manager.lora_names()[0] == ["alpha"])  # a 100-token request: seen while it runs
+    assert 'running_lora_adapters="alpha"' in client.get("/metrics").text
+    running.join()
+    (info,) = [line for line in client.get("/metrics").text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    labels, value = info.rsplit(" ", 1)
+    assert 'max_lora="4"' in labels and 'running_lora_adapters=""' in labels and 'waiting_lora_adapters=""' in labels
+    assert abs(float(value) - time.time()) < 60  # vLLM's value: the time of the reading
+    assert complete(client, app.extensions["server"].engine.model_name, [4, 5])[0] == 200
+    events = client.get("/stats/timeline").get_json()["events"]
+    assert {e["request"]: e["lora"] for e in events} == {events[0]["request"]: "alpha", events[-1]["request"]: None}
