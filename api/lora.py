@@ -12,6 +12,7 @@ from flask import Blueprint, request
 from api.serving import server
 from api.validation import ApiError, bad, json_object, known_fields
 from generate.lora_registry import LoraInUse, LoraNotFound
+from model.lora import LoraError
 
 routes = Blueprint("lora", __name__)
 log = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ def load_lora_adapter():
         raise bad(f"'{name}' is the base model's name", "lora_name")
     try:
         adapter = srv.engine.loras.load(name, path)
-    except ValueError as err:  # LoraError (the adapter itself) or the name / MAX_CPU_LORAS
-        raise bad(str(err), "lora_path" if type(err).__name__ == "LoraError" else "lora_name") from None
+    except LoraError as err:  # the adapter itself
+        raise bad(str(err), "lora_path") from None
+    except ValueError as err:  # the name taken, or MAX_CPU_LORAS reached
+        raise bad(str(err), "lora_name") from None
     log.info("LoRA adapter %r loaded from %s (rank %d, id %d)", name, path, adapter.rank, adapter.id)
     return f"Success: LoRA adapter '{name}' added successfully.", 200, {"Content-Type": "text/plain"}
 

@@ -23,12 +23,13 @@ def render(live: LiveTable, steps: StepSummary, loras: Metric | None = None) -> 
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-def lora_requests_info(running: list[str], waiting: list[str], max_lora: int) -> Metric:
+def lora_requests_info(model: str, running: list[str], waiting: list[str], max_lora: int) -> Metric:
     """vLLM's vllm:lora_requests_info: the adapters of running and waiting requests (comma-separated names)
-    and MAX_LORAS as labels; its value is the time of the reading, as vLLM sets it."""
-    labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+    and MAX_LORAS as labels; its value is the time of the reading, as vLLM sets it. With model_name too,
+    as every vllm: series here."""
+    labels = ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"]
     family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.", labels=labels)
-    family.add_metric([str(max_lora), ",".join(waiting), ",".join(running)], time.time())
+    family.add_metric([model, str(max_lora), ",".join(waiting), ",".join(running)], time.time())
     return family
 
 
