@@ -117,11 +117,17 @@ def main() -> None:
     spread = lambda n: [f"lora{i % args.adapters}" for i in range(n)]  # noqa: E731
     steps = {"base": [], "lora": []}
     rates = {"base": [], "lora": []}
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         steps["base"].append(decode_step_s(engine, [None] * args.batch, args.context, args.steps))
         steps["lora"].append(decode_step_s(engine, spread(args.batch), args.context, args.steps))
+        print(
+            f"run {i + 1}: decode step base {steps['base'][-1]:.3f} s, adapters {steps['lora'][-1]:.3f} s", flush=True
+        )
         rates["base"].append(throughput(engine, [None] * args.requests, args.max_tokens))
         rates["lora"].append(throughput(engine, spread(args.requests), args.max_tokens))
+        print(
+            f"run {i + 1}: throughput base {rates['base'][-1]:.1f}, adapters {rates['lora'][-1]:.1f} tok/s", flush=True
+        )
     step = {k: statistics.median(v) for k, v in steps.items()}
     rate = {k: statistics.median(v) for k, v in rates.items()}
     device = engine.runner.device

@@ -45,6 +45,17 @@ def test_load_use_list_unload_then_404(lora_app, lora_adapters, peft_greedy):
         oracle = peft_greedy(None if name == base else name, prompt, NEW_TOKENS)
         assert choice["token_ids"] == oracle and choice["prompt_token_ids"] == prompt
 
+    streamed = client.post(
+        "/v1/completions",
+        json={"model": "alpha", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+              "stream": True, "return_token_ids": True},
+    ).get_data(as_text=True)  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == peft_greedy("alpha", prompt, NEW_TOKENS)
+    assert (
+        chunks[0]["choices"][0]["prompt_token_ids"] == prompt and chunks[-1]["choices"][0]["prompt_token_ids"] is None
+    )
+
     chat = {"model": "beta", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": NEW_TOKENS}
     body = client.post("/v1/chat/completions", json={**chat, "temperature": 0, "return_token_ids": True}).get_json()
     (choice,) = body["choices"]
