@@ -5,7 +5,7 @@ import logging
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import batches, chat, dashboard, openai, simple, stats, tenants, tokenize
+from api import batches, chat, dashboard, lora, openai, simple, stats, tenants, tokenize
 from api.chat_template import ChatTemplate
 from api.json_body import StrictJSONProvider, require_json
 from api.priority import PRIORITY_LIMIT
@@ -53,6 +53,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         dashboard.routes,
         stats.routes,
         batches.routes,
+        lora.routes,
     ):
         app.register_blueprint(blueprint)
 

@@ -80,6 +80,12 @@ class Settings:
     fair_share_output_weight: float = 2.0  # a generated token's cost
     api_keys_file: str = ""  # keys (sha256-hashed or plain), each with its tenant, weight and limits (TOML or JSON)
     fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
+    # LoRA adapters (docs/lora.md): name=path,... loaded at start; distinct adapters in one step (device slots);
+    # the largest rank accepted; adapters held (loaded) at once
+    lora_modules: str = ""
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -118,6 +124,8 @@ class Settings:
             raise ValueError("FAIR_SHARE_INPUT_WEIGHT and FAIR_SHARE_OUTPUT_WEIGHT must be at least 0")
         if self.block_size < 1 or self.max_batch_size < 1:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
+        if min(self.max_loras, self.max_lora_rank, self.max_cpu_loras) < 1:
+            raise ValueError("MAX_LORAS, MAX_LORA_RANK and MAX_CPU_LORAS must be at least 1")
         self._check_front()
 
     def _check_front(self) -> None:

@@ -18,7 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from api.chat_template import ChatTemplate
 from api.generation import NewTokens, Request, sse, start, text_token_count, token_text, usage, wait_all
-from api.openai_params import SharedFields, check_min_tokens, shared_fields
+from api.openai_params import SharedFields, check_min_tokens, model_name, shared_fields
 from api.protocol import AssistantMessage, ChatBody, Content, JsonSchemaFormat, Message, ToolMessage, parse
 from api.serving import Server, check_fits, server
 from api.structured import Asked, compiled, guided, json_schema, one_constraint
@@ -180,8 +180,9 @@ def _check_arguments(arguments: str, i: int) -> None:
 def chat_completions():
     srv = server()
     chat = parse_chat(request.get_json(silent=True), srv)
-    req = start(srv, [chat.prompt], chat.params, chat.shared.n, chat.stop, chat.shared.stream, chat.shared.priority)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": srv.engine.model_name}
+    shared = chat.shared
+    req = start(srv, [chat.prompt], chat.params, shared.n, chat.stop, shared.stream, shared.priority, shared.lora)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name(srv, shared.lora)}
     if chat.shared.stream:
         head["object"] = "chat.completion.chunk"
         content = None if chat.tool_choice in ("required", "function") else ""  # a forced call has no content
@@ -191,6 +192,10 @@ def chat_completions():
         return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
     wait_all(srv, req)
     choices = [_choice(srv, chat, inf) for inf in req.completions]
+    if shared.return_token_ids:
+        head["prompt_token_ids"] = chat.prompt
+        for choice, inf in zip(choices, req.completions):
+            choice["token_ids"] = inf.generated_ids
     return jsonify(**head, object="chat.completion", choices=choices, usage=usage(req))
 
 
@@ -224,6 +229,7 @@ class _StreamedReplies:
     def __init__(self, srv: Server, chat: ChatRequest, req: Request):
         self.srv, self.chat, self.new_tokens = srv, chat, NewTokens(req)
         self.texts = [""] * len(req.completions)
+        self.token_ids: list[int] = []  # of the delta being rendered (return_token_ids)
         self.replies = [StreamedReply(chat.calls) for _ in req.completions]
 
     def render(self, delta: Delta) -> dict:
@@ -231,15 +237,23 @@ class _StreamedReplies:
         logprobs = None
         if self.chat.params.logprobs is not None:
             logprobs = {"content": _token_logprobs(self.srv, inf, start, end, self.chat.params.logprobs)}
+        if self.chat.shared.return_token_ids:  # this chunk's ids, an ending end-of-text included
+            self.token_ids = inf.generated_ids[start : inf.seq.num_generated if delta.finish_reason else end]
         if self.chat.tool_choice == "none":
-            return _chunk_choice(delta.index, {"content": delta.text}, logprobs, delta.finish_reason)
+            return self._chunk(delta.index, {"content": delta.text}, logprobs, delta.finish_reason)
         self.texts[delta.index] += delta.text
         reply = self.replies[delta.index]
         piece = reply.delta(self.texts[delta.index], finished=delta.finish_reason is not None)
         finish_reason = delta.finish_reason
         if finish_reason == "stop" and reply.named:
             finish_reason = _call_finish_reason(self.chat)
-        return _chunk_choice(delta.index, piece, logprobs, finish_reason)
+        return self._chunk(delta.index, piece, logprobs, finish_reason)
+
+    def _chunk(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+        choice = _chunk_choice(index, delta, logprobs, finish_reason)
+        if self.chat.shared.return_token_ids:
+            choice["token_ids"] = self.token_ids
+        return choice
 
 
 def _token_logprobs(srv: Server, inf: Inference, start: int, end: int, top_n: int) -> list[dict]:

@@ -18,6 +18,7 @@ from api.validation import ApiError
 from batching.inference import Delta, Inference
 from batching.text_stream import TextStream
 from generate.sequence import SamplingParams
+from model.lora import LoraAdapter
 from model.tokenizer import EOT_ID
 
 SEED_LIMIT = 2**63
@@ -41,6 +42,7 @@ def start(
     stop: tuple[str, ...],
     stream: bool,
     priority: int = 0,
+    lora: LoraAdapter | None = None,
 ) -> Request:
     """Submit n completions of every prompt, for the request's tenant; the first of each prompt leads, the
     others fork from it."""
@@ -54,7 +56,15 @@ def start(
             text = TextStream(srv.tokenizer, stop)
             index = len(completions)
             inf = Inference(
-                prompt, own, text=text, chunks=chunks, index=index, fork_of=leader, priority=priority, tenant=tenant
+                prompt,
+                own,
+                text=text,
+                chunks=chunks,
+                index=index,
+                fork_of=leader,
+                priority=priority,
+                tenant=tenant,
+                lora=lora,
             )
             leader = leader or inf
             completions.append(inf)

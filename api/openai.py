@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 from flask import Blueprint, Response, jsonify, request
 
 from api.generation import NewTokens, Request, sse, start, text_token_count, token_text, usage, wait_all
-from api.openai_params import SharedFields, check_min_tokens, shared_fields
+from api.lora import model_cards
+from api.openai_params import SharedFields, check_min_tokens, model_name, shared_fields
 from api.protocol import CompletionBody, parse
 from api.serving import Server, check_fits, server
 from api.structured import compiled, guided, one_constraint
@@ -72,8 +73,7 @@ def _prompts(prompt: str | list, srv: Server) -> tuple[list[list[int]], list[str
 
 @routes.get("/v1/models")
 def models():
-    name = server().engine.model_name
-    return jsonify(object="list", data=[{"id": name, "object": "model", "created": 0, "owned_by": "local"}])
+    return jsonify(object="list", data=model_cards())
 
 
 @routes.post("/v1/completions")
@@ -81,12 +81,12 @@ def completions():
     srv = server()
     creq = parse_completion(request.get_json(silent=True), srv)
     shared = creq.shared
-    req = start(srv, creq.prompts, creq.params, shared.n, shared.stop, shared.stream, shared.priority)
+    req = start(srv, creq.prompts, creq.params, shared.n, shared.stop, shared.stream, shared.priority, shared.lora)
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": srv.engine.model_name,
+        "model": model_name(srv, shared.lora),
     }
     if creq.shared.stream:
         render = _StreamedChoices(srv, creq, req).render
@@ -104,7 +104,24 @@ def _choice(srv: Server, creq: CompletionRequest, req: Request, inf: Inference) 
     if creq.params.logprobs is not None:
         rows = _prompt_rows(req.prompts[prompt], inf) if creq.echo else []
         logprobs = _logprobs(srv, rows + _generated_rows(inf, 0, text_token_count(inf)), creq.params.logprobs)
-    return {"index": inf.index, "text": echo + inf.text.text, "logprobs": logprobs, "finish_reason": inf.finish_reason}
+    choice = {
+        "index": inf.index,
+        "text": echo + inf.text.text,
+        "logprobs": logprobs,
+        "finish_reason": inf.finish_reason,
+    }
+    return _with_token_ids(choice, creq, req, inf, 0, len(inf.generated_ids), True)
+
+
+def _with_token_ids(
+    choice: dict, creq: CompletionRequest, req: Request, inf: Inference, start: int, end: int, first: bool
+) -> dict:
+    """vLLM's return_token_ids: the choice's generated token ids (of this delta when streaming), and its
+    prompt's with its first chunk."""
+    if creq.shared.return_token_ids:
+        choice["prompt_token_ids"] = req.prompts[req.prompt_of(inf)] if first else None
+        choice["token_ids"] = inf.generated_ids[start:end]
+    return choice
 
 
 class _StreamedChoices:
@@ -121,7 +138,8 @@ class _StreamedChoices:
         i = delta.index
         inf, start, end = self.new_tokens.take(delta)
         prompt = self.req.prompt_of(inf)
-        echoing = self.creq.echo and not self.started[i]  # with the completion's first delta
+        first = not self.started[i]
+        echoing = self.creq.echo and first  # with the completion's first delta
         self.started[i] = True
         echo = self.creq.prompt_texts[prompt] if echoing else ""
         logprobs = None
@@ -131,7 +149,9 @@ class _StreamedChoices:
                 self.srv, rows + _generated_rows(inf, start, end), self.creq.params.logprobs, self.chars_sent[i]
             )
             self.chars_sent[i] += sum(len(t) for t in logprobs["tokens"])
-        return {"index": i, "text": echo + delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        choice = {"index": i, "text": echo + delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        end = inf.seq.num_generated if delta.finish_reason else end  # the ids include an ending end-of-text
+        return _with_token_ids(choice, self.creq, self.req, inf, start, end, first)
 
 
 Row = tuple[int, TokenLogprobs | None]  # a token, and its log-probabilities (None: the prompt's first token)

@@ -6,6 +6,7 @@ from api import tenants
 from api.protocol import SamplingRequest
 from api.serving import Server
 from api.validation import ApiError, bad
+from model.lora import LoraAdapter
 
 
 class SharedFields(NamedTuple):
@@ -16,10 +17,12 @@ class SharedFields(NamedTuple):
     stream: bool
     include_usage: bool  # streaming: a last event with the token counts
     priority: int
+    lora: LoraAdapter | None = None  # the adapter the request's "model" names; None: the base model
+    return_token_ids: bool = False  # vLLM's: token ids beside the text (prompt_token_ids, token_ids)
 
 
 def shared_fields(body: SamplingRequest, srv: Server) -> SharedFields:
-    check_model(body.model, srv)
+    lora = check_model(body.model, srv)
     tenants.note_user(body.user)
     vocab = srv.tokenizer.n_vocab
     if body.top_k > vocab:
@@ -41,15 +44,28 @@ def shared_fields(body: SamplingRequest, srv: Server) -> SharedFields:
     }
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return SharedFields(body.n, sampling, body.min_tokens, stop, body.stream, include_usage, body.priority)
+    return SharedFields(
+        body.n, sampling, body.min_tokens, stop, body.stream, include_usage, body.priority, lora, body.return_token_ids
+    )
 
 
-def check_model(model: str | None, srv: Server) -> None:
-    """A model this server does not serve is a 404, as OpenAI and vLLM answer it."""
+def check_model(model: str | None, srv: Server) -> LoraAdapter | None:
+    """The LoRA adapter `model` names (None: the base model); a model this server does not serve is a 404,
+    as OpenAI and vLLM answer it."""
     served = srv.engine.model_name
-    if model is not None and model != served:
-        message = f"the model {model!r} does not exist here: this server serves {served!r} (or omit 'model')"
+    if model is None or model == served:
+        return None
+    adapter = srv.engine.loras.get(model)
+    if adapter is None:
+        also = "".join(f", {a.name!r}" for a in srv.engine.loras.adapters())
+        message = f"the model {model!r} does not exist here: this server serves {served!r}{also} (or omit 'model')"
         raise ApiError(404, message, param="model", code="model_not_found")
+    return adapter
+
+
+def model_name(srv: Server, lora: LoraAdapter | None) -> str:
+    """The "model" of a response: the adapter's name, or the base model's."""
+    return srv.engine.model_name if lora is None else lora.name
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int) -> None:

@@ -69,6 +69,7 @@ class SamplingRequest(Strict):
     ignore_eos: bool = False
     user: str | None = None  # OpenAI's end-user id: names the request's tenant when its API key does not
     priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)  # vLLM's: lower is more urgent
+    return_token_ids: bool = False  # vLLM's: choices carry their "token_ids" (and the prompt's)
     guided_json: dict[str, Any] | str | None = None  # a JSON Schema, or its JSON text
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None

@@ -5,6 +5,7 @@ from typing import Any
 from flask import Blueprint, jsonify, request
 
 from api import tenants
+from api.openai_params import check_model
 from api.priority import parse_priority
 from api.serving import check_fits, server, submit, wait
 from api.validation import bad, boolean, integer, json_object, known_fields, number, optional_seed
@@ -15,7 +16,7 @@ from model.tokenizer import encode_prompt
 routes = Blueprint("inference", __name__)
 
 
-FIELDS = ("prompt", "num_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos", "priority", "user")
+FIELDS = ("prompt", "num_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos", "priority", "user", "model")
 
 
 def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams, int]:
@@ -42,10 +43,15 @@ def parse_inference(body: Any, max_context: int) -> tuple[str, SamplingParams, i
 @routes.post("/inference")
 def inference():
     srv = server()
-    prompt, params, priority = parse_inference(request.get_json(silent=True), srv.engine.max_context)
+    body = request.get_json(silent=True)
+    prompt, params, priority = parse_inference(body, srv.engine.max_context)
+    model = body.get("model")  # a LoRA adapter's name, or the base model's (or absent)
+    if model is not None and not isinstance(model, str):
+        raise bad(f"'model' must be a string, got {model!r}", "model")
+    lora = check_model(model, srv)
     prompt_ids = encode_prompt(srv.tokenizer, prompt)
     check_fits(srv, len(prompt_ids), params.max_tokens, "num_tokens")
-    inf = wait(srv, submit(srv, Inference(prompt_ids, params, priority=priority, tenant=tenants.current())))
+    inf = wait(srv, submit(srv, Inference(prompt_ids, params, priority=priority, tenant=tenants.current(), lora=lora)))
     text = srv.tokenizer.decode(inf.generated_ids)
     return jsonify(
         completion=prompt + text,

@@ -17,5 +17,7 @@ def stats():
 @routes.get("/metrics")
 def prometheus():
     manager = server().manager
-    body, content_type = metrics.render(manager.live, manager.step_summary())
+    running, waiting = manager.lora_names()
+    loras = metrics.lora_requests_info(manager.engine.model_name, running, waiting, manager.settings.max_loras)
+    body, content_type = metrics.render(manager.live, manager.step_summary(), loras)
     return Response(body, content_type=content_type)

@@ -40,6 +40,7 @@ class RequestEvent:
     # structured output: the constraint's kind (generate/constraints.py KINDS) on every event of a
     # constrained request, so a reader that missed its arrival (ring, late page) still knows; else None
     constraint: str | None = None
+    lora: str | None = None  # the LoRA adapter's name on every event of a request that runs through one
     ttft_s: float | None = None  # on "finished": time to first token
     latency_s: float | None = None  # on "finished": arrival to the last token
 
@@ -65,13 +66,16 @@ class EventLog:
         generated_tokens: int,
         at: float | None = None,
         constraint: str | None = None,
+        lora: str | None = None,
         **ending: float | None,
     ) -> None:
         assert kind in PHASE_AFTER, kind
         with self._lock:
             self._count += 1
             at = time.time() if at is None else at
-            event = RequestEvent(self._count, at, request, kind, prompt_tokens, generated_tokens, constraint, **ending)
+            event = RequestEvent(
+                self._count, at, request, kind, prompt_tokens, generated_tokens, constraint, lora, **ending
+            )
             self._events.append(event)
 
     @property

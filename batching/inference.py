@@ -4,10 +4,13 @@ import queue
 import threading
 import time
 from dataclasses import InitVar, dataclass, field
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 from batching.text_stream import TextStream
 from generate.sequence import SamplingParams, Sequence
+
+if TYPE_CHECKING:
+    from model.lora import LoraAdapter
 
 
 class Delta(NamedTuple):
@@ -33,6 +36,7 @@ class Inference:
     fork_of: InitVar["Inference | None"] = None  # a completion of the same prompt added just before this one
     priority: int = 0  # lower is more urgent (generate/priority.py)
     tenant: str = ""  # for fair share between tenants (api/tenants.py)
+    lora: "LoraAdapter | None" = None  # the adapter it runs through (the request's "model"); None: the base model
     seq: Sequence = field(init=False)
     done: threading.Event = field(default_factory=threading.Event)  # set exactly once
     arrival: float = field(default_factory=time.monotonic)
@@ -54,6 +58,7 @@ class Inference:
             fork_of=leader,
             priority=self.priority,
             tenant=self.tenant,
+            lora=self.lora,
         )
 
     @property

@@ -101,6 +101,7 @@ class BatchingManager:
             self._incoming.append(infs)
             self._num_incoming += len(infs)
             for inf in infs:
+                self.engine.loras.hold(inf.lora)  # its adapter stays loaded until it is answered
                 self._record(inf, "arrived")
             self._cond.notify()
         return infs
@@ -116,6 +117,15 @@ class BatchingManager:
 
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
+
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """The LoRA adapters of running requests, and of waiting ones (here or in the engine's queue), by name."""
+        with self._cond:  # the queue changes under this lock; the engine's lists are copied whole (under the GIL)
+            queued = [inf.lora for request in self._incoming for inf in request]
+        scheduler = self.engine.scheduler
+        waiting = queued + [seq.lora for seq in list(scheduler.waiting)]
+        names = lambda loras: sorted({a.name for a in loras if a is not None})  # noqa: E731
+        return names(seq.lora for seq in list(scheduler.running)), names(waiting)
 
     def finished_steps(self) -> list[StepRecord]:
         """Kept step records whose figures are final (not the running step's), oldest first."""
@@ -295,6 +305,7 @@ class BatchingManager:
 
     def _answer(self, inf: Inference, error: str | None = None) -> None:
         inf.finish(error)
+        self.engine.loras.release(inf.lora)
         self.live.answered(inf)
         if error is None:
             self._record(inf, "finished", ttft_s=inf.ttft_s, latency_s=inf.latency_s)
@@ -309,7 +320,10 @@ class BatchingManager:
         generated = len(inf.generated_ids) if generated is None else generated
         constraint = inf.seq.params.constraint
         constraint_kind = constraint.constraint.kind if constraint is not None else None
-        self.events.record(inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, constraint_kind, **ending)
+        lora = inf.lora.name if inf.lora is not None else None
+        self.events.record(
+            inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, constraint_kind, lora, **ending
+        )
         inf.phase = PHASE_AFTER[kind] or kind
 
     def _fail_everything(self, reason: str) -> None:

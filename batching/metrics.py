@@ -5,6 +5,7 @@ name too, labelled model_name, so vLLM's example Grafana dashboard works unchang
 from the same reading of the same table: they can never disagree.
 """
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -16,15 +17,25 @@ from batching.live import LIVE_VALUES, LiveTable, Reading
 from batching.step_summary import StepSummary
 
 
-def render(live: LiveTable, steps: StepSummary) -> tuple[bytes, str]:
+def render(live: LiveTable, steps: StepSummary, loras: Metric | None = None) -> tuple[bytes, str]:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Scrape(live, steps))
+    registry.register(_Scrape(live, steps, loras))
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
+def lora_requests_info(model: str, running: list[str], waiting: list[str], max_lora: int) -> Metric:
+    """vLLM's vllm:lora_requests_info: the adapters of running and waiting requests (comma-separated names)
+    and MAX_LORAS as labels; its value is the time of the reading, as vLLM sets it. With model_name too,
+    as every vllm: series here."""
+    labels = ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.", labels=labels)
+    family.add_metric([model, str(max_lora), ",".join(waiting), ",".join(running)], time.time())
+    return family
+
+
 class _Scrape(Collector):
-    def __init__(self, live: LiveTable, steps: StepSummary) -> None:
-        self.live, self.steps = live, steps
+    def __init__(self, live: LiveTable, steps: StepSummary, loras: Metric | None) -> None:
+        self.live, self.steps, self.loras = live, steps, loras
 
     def collect(self) -> Iterator[Metric]:
         values = self.live.values()
@@ -44,6 +55,8 @@ class _Scrape(Collector):
                 family.add_metric([model_name] if model_name else [], buckets, total)
                 yield family
         yield from _recent_steps(self.steps)
+        if self.loras is not None:
+            yield self.loras
 
 
 def _family(name: str, kind: str, help: str, value: Reading, label: str | None, model: str | None = None) -> Metric:

@@ -131,6 +131,7 @@
     }
     r.generated = e.generated_tokens;
     r.constraint = e.constraint ?? null; // on every event of a constrained request (structured output)
+    r.lora = e.lora ?? null; // the LoRA adapter the request runs through, on every event of it
     const open = r.segments[r.segments.length - 1];
     if (open && open.end === null) open.end = e.at;
     const phase = PHASE_AFTER[e.kind];
@@ -424,6 +425,9 @@
         const x = xOf(seg.start);
         const width = Math.max(xOf(seg.end ?? now) - x, 0.5);
         add(c.svg, "rect", { x, y, width, height: rowH * 0.8, class: `seg ${seg.phase}` });
+      }
+      if (r.lora) {
+        add(c.svg, "text", { x: xOf(r.segments[0].start) + 2, y: y + rowH * 0.65, class: "lora" }, r.lora);
       }
       if (r.ended) {
         const x = xOf(r.endedAt);

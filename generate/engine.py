@@ -11,6 +11,7 @@ from config import Settings
 from generate import constraints
 from generate.fair_share import FairShare
 from generate.grammar_mask import GrammarMasks, StepMasks
+from generate.lora_registry import LoraRegistry
 from generate.model_runner import ModelRunner
 from generate.scheduler import Scheduler
 from generate.sequence import SamplingParams, Sequence, Status
@@ -67,7 +68,10 @@ class Engine:
             settings.priority_prefill_first,
             settings.fair_share,
             FairShare(settings.fair_share_input_weight, settings.fair_share_output_weight),
+            settings.max_loras,
         )
+        config = runner.model.config if isinstance(runner, ModelRunner) else None
+        self.loras = LoraRegistry(config, settings)  # adapters by name; a simulated engine serves none
         self.step_log = StepLog(settings.step_log_size)
         self.num_steps = 0
         constraints.configure(settings)
@@ -96,7 +100,9 @@ class Engine:
             settings.block_size,
         )
         runner = ModelRunner.from_settings(loaded.model, num_blocks, settings)
-        return cls(runner, num_blocks, settings, loaded.name, loaded.is_random)
+        engine = cls(runner, num_blocks, settings, loaded.name, loaded.is_random)
+        engine.loras.load_modules(settings.lora_modules)
+        return engine
 
     @property
     def max_sequence_tokens(self) -> int:

@@ -16,6 +16,7 @@ from generate.step_input import build_step_inputs, reference_groups, upload
 from generate.step_log import StageClock
 from model.attention import GatherSpace, PagedInputs, ReferenceAttention, StepAttention
 from model.gpt2 import GPT, StepBatch
+from model.lora_slots import LoraSlots, LoraStep
 
 if TYPE_CHECKING:
     from generate.cuda_graphs import DecodeGraphs
@@ -39,6 +40,8 @@ class ModelRunner:
         attention: str = "reference",
         graphs: str = "off",
         max_batch_size: int = 256,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ):
         assert graphs in GRAPH_MODES and (graphs == "off" or attention == "triton"), "graphs replay the paged kernel"
         self.model, self.block_size, self.attention = model, block_size, attention
@@ -47,6 +50,7 @@ class ModelRunner:
         self.on_gpu = self.device.type == "cuda"
         self.space = GatherSpace()
         self.sampler = Sampler(self.device)
+        self.lora_slots = LoraSlots(model.config, max_loras, max_lora_rank, self.device, model.wte.weight.dtype)
         model.allocate_kv_cache(num_blocks + 1, block_size)
         if attention == "triton":
             self._warm_kernel(scratch_block=num_blocks)
@@ -105,7 +109,8 @@ class ModelRunner:
         on_cuda = attention == "triton" and device.type == "cuda"
         graphs = "capture" if settings.cuda_graphs == "auto" and on_cuda else "off"
         max_batch = settings.max_running(device.type == "cuda", model.config.n_positions)
-        return cls(model, num_blocks, settings.block_size, attention, graphs, max_batch)
+        loras = settings.max_loras, settings.max_lora_rank
+        return cls(model, num_blocks, settings.block_size, attention, graphs, max_batch, *loras)
 
     def run(self, seqs: list[Sequence], clock: StageClock, masks: StepMasks | None = None) -> list[int | None]:
         """One forward over every sequence's scheduled tokens (chunks first); the next token of each
@@ -120,7 +125,8 @@ class ModelRunner:
         return tokens
 
     def _forward(self, seqs: list[Sequence], clock: StageClock) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.fits(seqs):
+        lora = self._lora_step(seqs)
+        if lora is None and self.graphs is not None and self.graphs.fits(seqs):  # graphs hold no adapters
             self.graphs.prepare(seqs)
             clock.lap("build")
             return self.graphs.replay(len(seqs))
@@ -131,9 +137,18 @@ class ModelRunner:
             inputs.slot_mapping,
             self._attention(seqs, inputs.paged),
             inputs.logits_rows,
+            lora,
         )
         clock.lap("build")
         return self.model(batch)
+
+    def _lora_step(self, seqs: list[Sequence]) -> LoraStep | None:
+        """Each row's adapter slot, the adapters copied into slots as needed; None when no row has an adapter."""
+        adapters = [s.lora for s in seqs if s.lora is not None]
+        if not adapters:
+            return None
+        slot = self.lora_slots.place(adapters)
+        return self.lora_slots.step([slot.get(s.lora_id, -1) for s in seqs for _ in range(s.num_scheduled_tokens)])
 
     def _attention(self, seqs: list[Sequence], paged: PagedInputs) -> StepAttention:
         if self.attention == "triton":

@@ -33,6 +33,10 @@ running sequences go by priority, then the least-served tenant, then rank. A can
 only running sequences of another priority that rank below it, never one of its own priority: a
 tenant is served its share by admission, not by taking seats. Off, or with one tenant active, the
 head itself is admitted and everything is as without fair share.
+
+LoRA adapters: no more than MAX_LORAS distinct adapters run at once (the device has that many
+slots, and every running sequence may be in one step), so a waiting sequence whose adapter would be
+one too many waits, blocking those behind it, until a running adapter's sequences are all done.
 """
 
 import bisect
@@ -57,6 +61,7 @@ class Scheduler:
         priority_prefill_first: bool = False,
         fair_share: bool = False,
         fair: FairShare | None = None,
+        max_loras: int = 0,
     ):
         # Every running sequence decodes one token per step, so no more may run than the budget has tokens.
         assert 1 <= max_num_seqs <= max_num_batched_tokens
@@ -68,6 +73,7 @@ class Scheduler:
         self.priority_prefill_first = priority_prefill_first
         self.fair_share = fair_share  # the order of admission and chunks follows the tenants' service
         self.fair = fair or FairShare()  # the tenants' counters, kept either way (for /stats and /metrics)
+        self.max_loras = max_loras  # distinct LoRA adapters running at once; 0: no limit
         self._prefilling: int | None = None  # the most urgent priority with a prompt chunk in this step
         # Keep a few blocks back when admitting beside running sequences, so that their
         # next decode steps do not immediately preempt the newcomer.
@@ -161,6 +167,8 @@ class Scheduler:
         running ones for them; those that compute now join `scheduled` (where a preempted one leaves it)."""
         while self.waiting:
             seq = self._candidate()
+            if not self._adapter_fits(seq):
+                break
             leader = self._running_leader(seq)
             if leader is None and budget == 0:
                 break  # a fork needs no budget until its leader has computed what they share
@@ -179,6 +187,13 @@ class Scheduler:
                 if seq.num_scheduled_tokens:
                     self._note_prefill(seq)
                     scheduled.append(seq)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s adapter is running already or one more adapter may run (MAX_LORAS)."""
+        if not seq.lora_id or not self.max_loras:
+            return True
+        running = {s.lora_id for s in self.running} - {0}
+        return seq.lora_id in running or len(running) < self.max_loras
 
     def _held_back(self, seq: Sequence) -> bool:
         """A prompt chunk that waits this step for a more urgent prompt's (PRIORITY_PREFILL_FIRST)."""

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import llguidance
 
     from generate.constraints import CompiledConstraint
+    from model.lora import LoraAdapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     priority: int = 0  # lower is more urgent (generate/priority.py)
     tenant: str = ""  # whose request it is, for fair share (generate/fair_share.py); "": the shared tenant
+    lora: "LoraAdapter | None" = None  # the LoRA adapter it runs through; None: the base model
     num_prompt_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" or "stop"
@@ -101,6 +103,11 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
         self.matcher = self.params.constraint.matcher() if self.params.constraint is not None else None
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id (0: the base model): keys its prefix-cache blocks, so adapters never share KV."""
+        return 0 if self.lora is None else self.lora.id
 
     @property
     def completion_ids(self) -> list[int]:

@@ -28,6 +28,7 @@ class SequenceBlocks(Protocol):
     num_cached_tokens: int  # tokens taken from the prefix cache at admission
     num_committed_blocks: int  # leading full blocks already offered to the prefix cache
     reads_prefix_cache: bool  # False: compute every token (a cached block has no logits to give)
+    lora_id: int  # the adapter its keys and values come from (0: the base model): the prefix cache's namespace
 
 
 class BlockManager:
@@ -66,7 +67,7 @@ class BlockManager:
         if self.trie is None or not seq.reads_prefix_cache:
             return []
         # Leave at least one token to compute: its logits give the next token.
-        return self.trie.match(seq.token_ids, max_blocks=self._num_shareable(seq))
+        return self.trie.match(seq.token_ids, max_blocks=self._num_shareable(seq), namespace=seq.lora_id)
 
     def _num_shareable(self, seq: SequenceBlocks) -> int:
         """Full blocks before the one holding the last token, which a sequence always computes itself."""
@@ -106,6 +107,7 @@ class BlockManager:
         shared = self._num_shareable(seq)
         end = shared * self.block_size
         assert leader.token_ids[:end] == seq.token_ids[:end] and len(leader.block_table) >= shared
+        assert leader.lora_id == seq.lora_id, "a fork runs through its leader's adapter"
         needed = self.blocks_for(len(seq.token_ids)) - shared
         if needed > len(self._free):
             raise KVCacheExhausted(f"a fork needs {needed} blocks, {len(self._free)} are free")
@@ -130,7 +132,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(seq.num_committed_blocks, num_computed_tokens // bs):
             parent = seq.block_table[i - 1] if i else None
-            self.trie.insert(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.block_table[i])
+            self.trie.insert(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.block_table[i], seq.lora_id)
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_computed_tokens // bs)
 
     def free(self, seq: SequenceBlocks) -> None:

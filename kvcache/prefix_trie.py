@@ -4,6 +4,9 @@ A node's key is hash((parent key, block tokens)), so equal keys mean equal prefi
 to hash collisions; a hit is confirmed by comparing the tokens, so a collision can only
 cost a cache miss, never hand out the wrong KV. The trie decides nothing about block
 lifetime: the block pool owns that and tells the trie when it reuses a block.
+
+Each namespace (a LoRA adapter's id; 0 the base model) has a root of its own: the same tokens
+through two adapters give different keys and values, so their blocks are never shared.
 """
 
 import logging
@@ -26,7 +29,7 @@ class PrefixTrie:
     def __init__(self, block_size: int, hash_fn: Callable[[tuple], int] = hash):
         self.block_size = block_size
         self.hash_fn = hash_fn
-        self.root = TrieNode(block_id=-1, key=0, tokens=(), parent=None)
+        self.roots: dict[int, TrieNode] = {}  # namespace -> its root, made on first use
         self._nodes: dict[int, TrieNode] = {}  # block id -> node
 
     def __contains__(self, block_id: int) -> bool:
@@ -42,9 +45,14 @@ class PrefixTrie:
             return None
         return node
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
-        """Block ids of the longest cached run of full blocks that starts `token_ids`."""
-        blocks, node, bs = [], self.root, self.block_size
+    def root(self, namespace: int = 0) -> TrieNode:
+        if namespace not in self.roots:
+            self.roots[namespace] = TrieNode(block_id=-1, key=namespace, tokens=(), parent=None)
+        return self.roots[namespace]
+
+    def match(self, token_ids: Sequence[int], max_blocks: int, namespace: int = 0) -> list[int]:
+        """Block ids of the longest cached run of full blocks that starts `token_ids` in `namespace`."""
+        blocks, node, bs = [], self.root(namespace), self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
             node = self._child(node, tuple(token_ids[i * bs : (i + 1) * bs]))
             if node is None:
@@ -52,15 +60,16 @@ class PrefixTrie:
             blocks.append(node.block_id)
         return blocks
 
-    def insert(self, parent_block: int | None, tokens: Sequence[int], block_id: int) -> bool:
-        """Cache `block_id` (holding `tokens`) under the block before it; False if not cached.
+    def insert(self, parent_block: int | None, tokens: Sequence[int], block_id: int, namespace: int = 0) -> bool:
+        """Cache `block_id` (holding `tokens`) under the block before it (a first block: under the
+        namespace's root); False if not cached.
 
         Not cached when the parent is not in the trie (evicted, or itself a duplicate)
         or an equal block is already there: the first copy of a prefix wins.
         """
         assert len(tokens) == self.block_size, "only full blocks are cached"
         assert block_id not in self._nodes
-        parent = self.root if parent_block is None else self._nodes.get(parent_block)
+        parent = self.root(namespace) if parent_block is None else self._nodes.get(parent_block)
         tokens = tuple(tokens)
         key = self.hash_fn((parent.key, tokens)) if parent is not None else None
         if parent is None or key in parent.children:
@@ -83,7 +92,7 @@ class PrefixTrie:
         return removed
 
     def check_integrity(self) -> None:
-        seen, stack = 0, list(self.root.children.values())
+        seen, stack = 0, [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             seen += 1

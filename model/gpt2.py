@@ -9,11 +9,15 @@ come out only for the rows that need a next token.
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from model.attention import StepAttention, paged_cache
+
+if TYPE_CHECKING:
+    from model.lora_slots import LoraStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,48 +53,57 @@ class StepBatch:
     slot_mapping: torch.Tensor  # [T] cache slot each new key/value is written to
     attention: StepAttention  # how the rows attend over the cache (model/attention.py)
     logits_rows: torch.Tensor | None  # [N] rows whose next token is wanted; None: every row
+    lora: "LoraStep | None" = None  # each row's LoRA adapter (model/lora_slots.py); None: every row is the base's
+
+
+def with_lora(y: torch.Tensor, x: torch.Tensor, batch: StepBatch, layer: int, target: str) -> torch.Tensor:
+    """A target's output y = f(x), plus each row's adapter delta when the step has adapter rows."""
+    return y if batch.lora is None else batch.lora.add(y, x, (layer, target))  # [T, out]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.n_head, self.head_dim, self.layer = config.n_head, config.head_dim, layer
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=1)  # 3 x [T, C]
+        q, k, v = with_lora(self.c_attn(x), x, batch, self.layer, "attn.c_attn").split(C, dim=1)  # 3 x [T, C]
         q = q.view(T, self.n_head, self.head_dim)  # [T, H, D]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, bs, H, D] each
         k_cache.view(-1, self.n_head, self.head_dim)[batch.slot_mapping] = k.view(T, self.n_head, self.head_dim)
         v_cache.view(-1, self.n_head, self.head_dim)[batch.slot_mapping] = v.view(T, self.n_head, self.head_dim)
-        return self.c_proj(batch.attention.attend(q, k_cache, v_cache))  # [T, C]
+        y = batch.attention.attend(q, k_cache, v_cache)  # [T, C]
+        return with_lora(self.c_proj(y), y, batch, self.layer, "attn.c_proj")  # [T, C]
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"; exact GELU drifts
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))  # [T, C]
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        h = self.gelu(with_lora(self.c_fc(x), x, batch, self.layer, "mlp.c_fc"))  # [T, 4C]
+        return with_lora(self.c_proj(h), h, batch, self.layer, "mlp.c_proj")  # [T, C]
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, batch)  # [T, C]
-        return x + self.mlp(self.ln_2(x))  # [T, C]
+        return x + self.mlp(self.ln_2(x), batch)  # [T, C]
 
 
 class GPT(nn.Module):
@@ -99,7 +112,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.h = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in the released checkpoints

@@ -57,19 +57,24 @@ def hf_greedy(hf_model):
     def run(prompt_ids: list[int], num_tokens: int) -> list[int]:
         key = (tuple(prompt_ids), num_tokens)
         if key not in cache:
-            ids = torch.tensor([prompt_ids])
-            out = hf_model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=num_tokens,
-                min_new_tokens=num_tokens,
-                do_sample=False,
-                pad_token_id=50256,
-            )
-            cache[key] = out[0, len(prompt_ids) :].tolist()
+            cache[key] = greedy_continuation(hf_model, prompt_ids, num_tokens)
         return cache[key]
 
     return run
+
+
+def greedy_continuation(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """A transformers model's greedy continuation of one prompt, exactly num_tokens long."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=num_tokens,
+        min_new_tokens=num_tokens,
+        do_sample=False,
+        pad_token_id=50256,
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="session")
@@ -146,3 +151,56 @@ def wait_until(condition, deadline_s: float = 30) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached before the deadline"
         time.sleep(0.01)  # polling interval under a deadline
+
+
+# LoRA adapters of the tiny checkpoint, saved by peft: (name, LoraConfig arguments). Each has its own rank,
+# targets and scaling (plain, rsLoRA, a per-module alpha), so a mix-up between them changes tokens.
+LORA_CONFIGS = {
+    "alpha": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"]),
+    "beta": dict(r=8, lora_alpha=16, target_modules=["c_attn"], layers_to_transform=[1], use_rslora=True),
+    "gamma": dict(r=2, lora_alpha=4, target_modules=r".*\.mlp\.c_(fc|proj)", alpha_pattern={"c_fc": 2}),
+}
+
+
+def save_lora(checkpoint: Path, directory: Path, seed: int, **config) -> Path:
+    """A peft adapter of `checkpoint` with random A and B (peft starts B at zero: no effect at all)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    model = get_peft_model(GPT2LMHeadModel.from_pretrained(checkpoint), LoraConfig(fan_in_fan_out=True, **config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of each LORA_CONFIGS adapter."""
+    root = tmp_path_factory.mktemp("loras")
+    return {name: save_lora(tiny_checkpoint, root / name, i, **c) for i, (name, c) in enumerate(LORA_CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def peft_greedy(tiny_checkpoint, lora_adapters, hf_greedy):
+    """Greedy continuation through an adapter (None: the base) by peft's merge_and_unload() model in transformers."""
+    from peft import PeftModel
+    from transformers import GPT2LMHeadModel
+
+    models, cache = {}, {}
+
+    def run(adapter: str | None, prompt_ids: list[int], num_tokens: int) -> list[int]:
+        if adapter is None:
+            return hf_greedy(prompt_ids, num_tokens)
+        if adapter not in models:
+            base = GPT2LMHeadModel.from_pretrained(tiny_checkpoint)
+            models[adapter] = PeftModel.from_pretrained(base, lora_adapters[adapter]).merge_and_unload().eval()
+        key = (adapter, tuple(prompt_ids), num_tokens)
+        if key not in cache:
+            cache[key] = greedy_continuation(models[adapter], prompt_ids, num_tokens)
+        return cache[key]
+
+    return run

@@ -16,6 +16,7 @@ class FakeSeq:  # exactly the SequenceBlocks protocol
     num_cached_tokens: int = 0
     num_committed_blocks: int = 0
     reads_prefix_cache: bool = True
+    lora_id: int = 0
 
 
 def tokens(first: int, n: int) -> list[int]:

@@ -121,7 +121,7 @@ def test_check_integrity_catches_an_unreachable_node() -> None:
     trie = PrefixTrie(BS)
     chain(trie, [A, B])
     trie.check_integrity()
-    trie.root.children.clear()  # nodes still indexed, but not reachable
+    trie.root().children.clear()  # nodes still indexed, but not reachable
     with pytest.raises(AssertionError):
         trie.check_integrity()
 

@@ -1,0 +1,68 @@
+"""LoRA adapters while serving, as vLLM's endpoints: POST /v1/load_lora_adapter, /v1/unload_lora_adapter.
+
+An adapter is served as a model of its own name (/v1/models lists it, with the base model as its
+parent); a request picks it with "model". Unloading waits for nothing: while accepted requests still
+use the adapter it is refused (409), and the caller retries (docs/lora.md).
+"""
+
+import logging
+
+from flask import Blueprint, request
+
+from api.serving import server
+from api.validation import ApiError, bad, json_object, known_fields
+from generate.lora_registry import LoraInUse, LoraNotFound
+from model.lora import LoraError
+
+routes = Blueprint("lora", __name__)
+log = logging.getLogger(__name__)
+
+
+def _name(body: dict, field: str) -> str:
+    value = body.get(field)
+    if not isinstance(value, str) or not value.strip():
+        raise bad(f"'{field}' must be a non-empty string, got {value!r}", field)
+    return value
+
+
+@routes.post("/v1/load_lora_adapter")
+def load_lora_adapter():
+    srv = server()
+    body = json_object(request.get_json(silent=True))
+    known_fields(body, ("lora_name", "lora_path", "load_inplace"), "/v1/load_lora_adapter")
+    name, path = _name(body, "lora_name"), _name(body, "lora_path")
+    if name == srv.engine.model_name:
+        raise bad(f"'{name}' is the base model's name", "lora_name")
+    try:
+        adapter = srv.engine.loras.load(name, path)
+    except LoraError as err:  # the adapter itself
+        raise bad(str(err), "lora_path") from None
+    except ValueError as err:  # the name taken, or MAX_CPU_LORAS reached
+        raise bad(str(err), "lora_name") from None
+    log.info("LoRA adapter %r loaded from %s (rank %d, id %d)", name, path, adapter.rank, adapter.id)
+    return f"Success: LoRA adapter '{name}' added successfully.", 200, {"Content-Type": "text/plain"}
+
+
+@routes.post("/v1/unload_lora_adapter")
+def unload_lora_adapter():
+    srv = server()
+    body = json_object(request.get_json(silent=True))
+    known_fields(body, ("lora_name", "lora_int_id"), "/v1/unload_lora_adapter")
+    name = _name(body, "lora_name")
+    try:
+        srv.engine.loras.unload(name)
+    except LoraNotFound as err:
+        raise ApiError(404, str(err), "NotFoundError", param="lora_name") from None
+    except LoraInUse as err:
+        raise ApiError(409, str(err), "conflict", param="lora_name") from None
+    log.info("LoRA adapter %r unloaded", name)
+    return f"Success: LoRA adapter '{name}' removed successfully.", 200, {"Content-Type": "text/plain"}
+
+
+def model_cards() -> list[dict]:
+    """/v1/models: the base model, then each adapter with the base as its parent and its path as root."""
+    srv = server()
+    base = srv.engine.model_name
+    card = {"object": "model", "created": 0, "owned_by": "local", "max_model_len": srv.engine.max_context}
+    cards = [{**card, "id": base, "root": base, "parent": None}]
+    return cards + [{**card, "id": a.name, "root": a.path, "parent": base} for a in srv.engine.loras.adapters()]
