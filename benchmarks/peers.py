@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "title": f"random {args.model} (seed {args.seed}), {args.numsamples} greedy requests: "
         + ", ".join(args.systems),
-        "command": " ".join(["python -m benchmarks.llama_cpp", *map(shlex.quote, argv)]),
+        "command": " ".join(["python -m benchmarks.peers", *map(shlex.quote, argv)]),
         "machine": machine(
             args.llama_server if set(gguf_types) else None, args.vllm_python if VLLM in args.systems else None
         ),

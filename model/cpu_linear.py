@@ -1,18 +1,16 @@
 """The model's matrix products on a CPU through oneDNN rather than torch's default BLAS.
 
-torch's CPU build multiplies float32 through MKL, whose kernels on AMD processors run far below the AVX2
-FMA units' rate; oneDNN (also inside torch, the library vLLM's CPU linear layers use) runs the same product
-about twice as fast there (benchmarks/cpu_linear.py). Each product is still float32 in, float32 accumulated,
-float32 out: only the order of the additions differs, as it does between any two BLAS libraries.
+torch's CPU build multiplies float32 through MKL, whose kernels on AMD processors run below the AVX2 FMA
+units' rate; oneDNN (also inside torch, the library vLLM's CPU linear layers use) runs GPT-2's products
+1.3-2.1x faster there, the LM head 1.7-2.2x, at 1 to 256 rows (benchmarks/cpu_linear.py, an AMD EPYC
+Zen 3). Each product is still float32 in, float32 accumulated, float32 out: only the order of the additions
+differs, as it does between any two BLAS libraries.
 """
 
 import torch
 from torch import nn
 
 CPU_LINEAR = ("auto", "onednn", "aten")
-# Below this many rows a product is a matrix-vector one, which MKL's kernel serves well and oneDNN's
-# threaded one does not (benchmarks/cpu_linear.py at rows 1): those stay with torch's default.
-MIN_ROWS = 8
 
 
 def onednn_available() -> bool:
@@ -24,8 +22,6 @@ class OneDNNLinear(nn.Linear):
     """nn.Linear whose product is oneDNN's; same parameters, same state dict."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < MIN_ROWS:
-            return super().forward(x)  # [T, out]
         # [T, in] -> [T, out]; "none": no fused activation after the bias
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
