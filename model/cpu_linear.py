@@ -1,10 +1,10 @@
 """The model's matrix products on a CPU through oneDNN rather than torch's default BLAS.
 
 torch's CPU build multiplies float32 through MKL, whose kernels on AMD processors run below the AVX2 FMA
-units' rate; oneDNN (also inside torch, the library vLLM's CPU linear layers use) runs GPT-2's products
-1.3-2.1x faster there, the LM head 1.7-2.2x, at 1 to 256 rows (benchmarks/cpu_linear.py, an AMD EPYC
-Zen 3). Each product is still float32 in, float32 accumulated, float32 out: only the order of the additions
-differs, as it does between any two BLAS libraries.
+units' rate; oneDNN (also inside torch, the library vLLM's CPU linear layers use) runs a GPT-2 layer's
+products and its LM head together 1.3-2.1x faster there (the LM head alone 1.5-2.2x), at 1 to 256 rows
+(benchmarks/cpu_linear.py, an AMD EPYC Zen 3). Each product is still float32 in, float32 accumulated,
+float32 out: only the order of the additions differs, as it does between any two BLAS libraries.
 """
 
 import torch
