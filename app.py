@@ -1,6 +1,7 @@
 """HTTP front of the batching server: a Flask app factory over one BatchingManager per process."""
 
 import logging
+import sys
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
@@ -35,6 +36,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     template = ChatTemplate.load(settings.chat_template)  # a bad file stops the server before the model loads
     keys = tenants.load_keys(settings)  # so does a bad keys file
     engine = simulated_engine(settings) if settings.engine == "sim" else Engine.from_settings(settings)
+    if settings.switch_interval_ms:
+        sys.setswitchinterval(settings.switch_interval_ms / 1000)
     manager = BatchingManager(engine, settings)
     if keys is not None:  # each tenant's weight and limits
         engine.scheduler.fair.weights.update({t.name: t.weight for t in keys.tenants.values()})

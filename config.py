@@ -66,6 +66,9 @@ class Settings:
     # seconds of waiting (0: strict priority, which can starve); generate/priority.py
     priority_aging_s: float = 10.0
     priority_prefill_first: bool = True  # less urgent prompt chunks wait while a more urgent prompt prefills
+    # How long a thread holding the GIL keeps it from one that waits (sys.setswitchinterval): the engine's loop
+    # takes the GIL back after every device copy and wait, while request threads stream tokens; 0: Python's 5 ms
+    switch_interval_ms: float = 0.0
     engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
     engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
     max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
@@ -118,6 +121,8 @@ class Settings:
             raise ValueError("BATCH_MAX_FILE_BYTES, BATCH_MAX_REQUESTS and BATCH_IN_FLIGHT must be positive")
         if self.max_waiting_tokens < 0 or self.ttft_target_s < 0:
             raise ValueError("MAX_WAITING_TOKENS and TTFT_TARGET_S must be at least 0 (0: off)")
+        if self.switch_interval_ms < 0:
+            raise ValueError(f"SWITCH_INTERVAL_MS must be at least 0 (0: Python's), got {self.switch_interval_ms}")
         if self.priority_aging_s < 0:
             raise ValueError(f"PRIORITY_AGING_S must be at least 0, got {self.priority_aging_s}")
         if self.fair_share_input_weight < 0 or self.fair_share_output_weight < 0:

@@ -3,6 +3,12 @@
 # device command each: the sum of a stage's step limits stays under 560 s).
 #
 #   bash benchmarks/gpu_suite.sh wheels              # with network: what the GPU image lacks, into .whl/
+#   bash benchmarks/gpu_suite.sh first-light         # one short call: the kernel's and graphs' tests, decode
+#                                                    #   steps with both backends, saturate (dynamic)
+#   bash benchmarks/gpu_suite.sh tuned               # one short call after tuning: the kernel's tests, decode
+#                                                    #   steps, saturate with Python's GIL switch interval and
+#                                                    #   0.5 ms, static and dynamic, seed-like (40), the servers'
+#                                                    #   tests
 #   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
 #   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
 #                                                    #   kernel's knobs swept
@@ -39,7 +45,7 @@ wheels() {  # the server's and the tests' packages for Python 3.12 on x86-64 Lin
   # Resolved together (so versions agree), then only those the image lacks are kept: installed --no-deps,
   # nothing shadows the image's own packages.
   "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$all" $(grep -v '^torch' requirements.txt | sed 's/#.*//') openai || return
   for wheel in "$all"/*.whl; do
     name=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z_.' 'a-z--')
@@ -124,6 +130,33 @@ torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__, 
   archive check
 }
 
+first_light() {  # the least that shows the kernel and graphs right and their speed: ~6 minutes at most
+  step versions 30 "$PY" -c "import sys, torch, triton, transformers as t; print(sys.version, 'torch', torch.__version__,
+torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__, 'transformers', t.__version__)"
+  step cuda-kernel-model 130 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider \
+    tests/test_triton_attention.py tests/test_half_precision.py tests/test_model.py tests/test_forks.py \
+    tests/test_prefix_cache.py tests/test_chunked_prefill.py tests/test_prompt_logprobs.py
+  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200 --steps 20)
+  step decode-triton 60 "${decode[@]}"
+  step decode-reference 45 env ATTENTION_BACKEND=reference CUDA_GRAPHS=off "${decode[@]}"
+  benchmark saturate-dynamic 90 -- --workload saturate --numsamples 256 --modes dynamic
+  archive first-light saturate-dynamic
+}
+
+tuned() {  # ~6.5 minutes at most
+  step cuda-kernel 70 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_attention.py \
+    tests/test_half_precision.py tests/test_forks.py tests/test_prompt_logprobs.py
+  step decode-triton 40 "$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200 --steps 20 --profile
+  local saturate=(--workload saturate --numsamples 512 --modes dynamic)
+  benchmark saturate-512 45 -- "${saturate[@]}"
+  benchmark saturate-512-switch 45 SWITCH_INTERVAL_MS=0.5 -- "${saturate[@]}"
+  benchmark saturate-batched 40 -- --workload saturate --numsamples 128 --modes static,dynamic
+  benchmark seed-like-dynamic 65 -- --workload seed-like --numsamples 40 --modes dynamic
+  step cuda-servers 90 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_server.py \
+    tests/test_openai.py
+  archive tuned saturate-512 saturate-512-switch saturate-batched seed-like-dynamic
+}
+
 tune() {
   local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200)
   step decode-triton 150 "${decode[@]}" --profile
@@ -163,7 +196,7 @@ seed_like_baselines() {
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
-    check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    first-light | tuned | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels

@@ -51,6 +51,8 @@ class ModelRunner:
         self.space = GatherSpace()
         self.sampler = Sampler(self.device)
         self.lora_slots = LoraSlots(model.config, max_loras, max_lora_rank, self.device, model.wte.weight.dtype)
+        if self.on_gpu:
+            model.pad_vocab(64)
         model.allocate_kv_cache(num_blocks + 1, block_size)
         if attention == "triton":
             self._warm_kernel(scratch_block=num_blocks)

@@ -44,9 +44,12 @@ class KernelConfig:
     """The kernel's tuning knobs. DEFAULT is what the engine runs; `benchmarks/decode_step.py --sweep`
     times the alternatives on the device at hand."""
 
-    block_n: int = 64  # keys per loop iteration
-    num_warps: int = 4
-    decode_block_m: int = 1  # query rows per program when every sequence decodes one; 16 takes tl.dot's path
+    # Chosen by the sweep on an H200 (gpt2-medium, float16, context 200; docs/gpu.md): one layer's decode
+    # attention at batch 128 took 38 us against 136 us with one row per program, 4 warps and 64 keys (at 256,
+    # 71 against 262 us). Masking 15 of 16 rows costs less than leaving the tensor cores idle.
+    block_n: int = 32  # keys per loop iteration
+    num_warps: int = 2
+    decode_block_m: int = 16  # query rows per program when every sequence decodes one; 16 takes tl.dot's path
     chunk_block_m: int = 16  # ... when some sequence computes a chunk: tensor cores need 16 rows
     table_dtype: torch.dtype = torch.int64  # block-table entries as the kernel reads them
 

@@ -70,6 +70,20 @@ def test_logits_match_transformers(tiny_checkpoint, hf_model):
     torch.testing.assert_close(logits_of(engine, seq, 30, 45), expected[30:], atol=1e-4, rtol=1e-4)
 
 
+def test_padded_vocabulary_keeps_the_logits_and_the_tied_head(tiny_checkpoint, hf_model):
+    """On CUDA the runner pads the embedding to 64-row multiples (cuBLAS's fast kernels); logits stay [N, V]."""
+    engine = make_engine(tiny_checkpoint)
+    model = engine.runner.model
+    model.pad_vocab(64)
+    assert model.wte.weight.shape[0] % 64 == 0 and model.lm_head.weight is model.wte.weight
+    assert not model.wte.weight[model.config.vocab_size :].any()  # the new rows are zeros
+    (prompt,) = random_prompts([21], seed=5)
+    seq = Sequence(list(prompt))
+    engine.blocks.allocate(seq)
+    expected = hf_model(torch.tensor([prompt])).logits[0]  # [21, V]
+    torch.testing.assert_close(logits_of(engine, seq, 0, 21), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_greedy_batch_with_mixed_steps_matches_transformers_alone(tiny_checkpoint, hf_greedy):
     engine = make_engine(tiny_checkpoint)
     prompts = random_prompts([1, 7, 16, 33, 50, 3], seed=1)

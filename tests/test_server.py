@@ -198,3 +198,20 @@ def test_no_settings_serves_random_gpt2_medium_and_says_so(tmp_path):
     assert stats["model"] == "random:gpt2-medium"
     (log,) = tmp_path.glob("server-*.log")
     assert "SERVING RANDOM GPT2-MEDIUM WEIGHTS" in log.read_text()
+
+
+def test_switch_interval_ms_sets_the_gil_switch_interval_and_a_negative_one_is_refused(make_app):
+    import sys
+
+    from config import Settings
+
+    with pytest.raises(ValueError, match="SWITCH_INTERVAL_MS"):
+        Settings(switch_interval_ms=-1)
+    before = sys.getswitchinterval()
+    try:
+        app, manager = make_app(switch_interval_ms=0.5)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        response = app.test_client().post("/inference", json={"prompt": "Hello", "num_tokens": 2})
+        assert response.status_code == 200, response.get_json()
+    finally:
+        sys.setswitchinterval(before)

@@ -34,7 +34,7 @@ CASES = [
 @pytest.mark.parametrize(("shapes", "dtype", "block_size"), CASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kernel_equals_dense_attention(shapes, dtype, block_size, layout):
-    if dtype == torch.bfloat16 and not torch.cuda.is_available() and shapes in ("chunks", "whole prompt"):
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():  # decodes take tl.dot too (16-row tiles)
         pytest.skip("Triton's interpreter gets tl.dot of bfloat16 wrong (numpy has no bfloat16): a GPU run checks it")
     seqs = scheduled(block_size, num_blocks=600, shapes=SHAPES[shapes], seed=len(shapes))
     gen = torch.Generator().manual_seed(0)
