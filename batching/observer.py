@@ -37,6 +37,8 @@ class StepNews:
     active: Collection[Inference] = ()  # every inference the engine held in the step
     queued: int = 0  # inferences still in the manager's queue (nobatch and static keep them there)
     started: float = field(default_factory=time.perf_counter)  # when delivery began, for its stage time
+    # monotonic time of the step's tokens (taken before any of its inferences finished)
+    at: float = field(default_factory=time.monotonic)
 
 
 class LoopObserver:
@@ -84,7 +86,7 @@ class LoopObserver:
         self.steps_done = step.index
 
     def _count_tokens(self, news: StepNews) -> None:
-        now = time.monotonic()
+        now = news.at
         tokens, firsts, gaps = 0, [], []
         for inf, token in news.delivered:
             if inf.phase != "decoding":  # one check per sequence and step: most are decoding
