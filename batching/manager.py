@@ -12,6 +12,8 @@ inferences enter the engine together, leader first, so forks can share its promp
 Priorities: dynamic mode hands them to the scheduler, which admits and preempts by them; nobatch
 and static take the most urgent requests first (the same rank, generate/priority.py) but never
 stop a running batch for one.
+What the loop measures goes beside it, to its observer (batching/observer.py): one call per step,
+one per answer.
 """
 
 import logging
