@@ -11,8 +11,9 @@ import re
 from typing import NamedTuple
 
 from api.protocol import SamplingRequest
+from api.serving import server
 from api.validation import bad
-from generate.constraints import CompiledConstraint, Constraint, ConstraintError, compile_constraint
+from generate.constraints import CompiledConstraint, Constraint, ConstraintError
 
 # GBNF / xgrammar's EBNF defines rules with "::="; Lark (vLLM's tests, llguidance) with ":".
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
@@ -83,10 +84,10 @@ def one_constraint(asked: list[Asked]) -> Asked | None:
 
 
 def compiled(asked: Asked | None) -> CompiledConstraint | None:
-    """The constraint compiled (cached by the engine's module); a refusal is a 400 naming its field."""
+    """The constraint compiled (cached by the engine's compiler); a refusal is a 400 naming its field."""
     if asked is None:
         return None
     try:
-        return compile_constraint(asked.constraint)
+        return server().engine.constraints.compile(asked.constraint)
     except ConstraintError as err:
         raise bad(f"'{asked.field}': {err}", asked.field) from None

@@ -23,7 +23,6 @@ from batching.live_value import LiveValue, Reading
 from batching.stats import Stats, outcome
 from batching.tenant_stats import TENANT_VALUES
 from batching.window import StepTokens, Window
-from generate.constraints import compile_stats
 from generate.engine import Engine
 
 
@@ -183,28 +182,28 @@ LIVE_VALUES = (
         "gpt2_constraint_compiles",
         "counter",
         "Constraints compiled",
-        lambda t: compile_stats().compiles,
+        lambda t: t.engine.constraints.stats().compiles,
     ),
     LiveValue(
         "constraint_cache_hits",
         "gpt2_constraint_cache_hits",
         "counter",
         "Constraints taken from the compile cache",
-        lambda t: compile_stats().cache_hits,
+        lambda t: t.engine.constraints.stats().cache_hits,
     ),
     LiveValue(
         "constraint_compile_mean_s",
         "gpt2_constraint_compile_mean_seconds",
         "gauge",
         "Mean compile time of recent constraints",
-        lambda t: compile_stats().mean_s,
+        lambda t: t.engine.constraints.stats().mean_s,
     ),
     LiveValue(
         "constraint_compile_p99_s",
         "gpt2_constraint_compile_p99_seconds",
         "gauge",
         "99th percentile compile time of recent constraints",
-        lambda t: compile_stats().p99_s,
+        lambda t: t.engine.constraints.stats().p99_s,
     ),
     LiveValue(
         "mask_fill_mean_s",

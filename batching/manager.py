@@ -12,6 +12,8 @@ inferences enter the engine together, leader first, so forks can share its promp
 Priorities: dynamic mode hands them to the scheduler, which admits and preempts by them; nobatch
 and static take the most urgent requests first (the same rank, generate/priority.py) but never
 stop a running batch for one.
+What the loop measures goes beside it, to its observer (batching/observer.py): one call per step,
+one per answer.
 """
 
 import logging
@@ -21,13 +23,11 @@ from collections import deque
 from itertools import accumulate
 
 from batching.admission import Admission, Refused
-from batching.events import PHASE_AFTER, EventLog
-from batching.heartbeat import Heartbeat
 from batching.inference import Delta, Inference
-from batching.live import LiveTable
-from batching.step_summary import StepSummary, summarize
+from batching.observer import LoopObserver, StepNews
+from batching.step_summary import StepSummary
 from config import Settings
-from generate.engine import Engine, StepResult
+from generate.engine import Engine
 from generate.priority import Rank
 from generate.sequence import Status
 from generate.step_log import StepRecord
@@ -46,18 +46,14 @@ class BatchingManager:
     def __init__(self, engine: Engine, settings: Settings):
         self.engine, self.settings, self.mode = engine, settings, settings.mode
         self.admission = Admission(settings, engine.scheduler.fair.ledger)
-        self.live = LiveTable(engine, settings.timeline_window_s, self.num_waiting, self.admission.counts)
+        # what the loop measures goes to one observer; these are its readers' handles
+        self.observer = LoopObserver(engine, settings, self.admission, self.num_waiting)
+        self.live, self.events = self.observer.live, self.observer.events
         self.stats = self.live.stats  # since-start counts and percentiles
-        self.events = EventLog(settings.request_event_log_size)
         self.started_at = time.time()  # Unix time, for rates over windows that reach back past the start
-        # The last step whose record is final (delivery charged): readers of the step log stop
-        # there, since the loop still fills in the record of the step it is running.
-        self.steps_done = 0
-        self._preemptions_seen = 0  # the scheduler's count when the loop last looked; loop thread only
         self.failure: str | None = None
         self._stop_at: float | None = None  # set by shut_down()
         self.cache_problem: str | None = None  # from the last idle-time integrity check
-        self.heartbeat = Heartbeat(settings.engine_stall_s, settings.engine_first_step_s)
         self._hang = threading.Event()  # FAULT_HANG_AT_STEP: the hung step waits for this (set at shutdown)
         self._cond = threading.Condition()
         self._incoming: deque[tuple[Inference, ...]] = deque()  # requests; guarded by _cond
@@ -78,7 +74,7 @@ class BatchingManager:
         """Why this server cannot serve (its loop died, is stopping, or is stuck in a step), or None."""
         if not self.ready:
             return self.failure or "shutting down"
-        return self.heartbeat.stalled(self.num_waiting() + self.num_running())
+        return self.observer.heartbeat.stalled(self.num_waiting() + self.num_running())
 
     def shut_down(self, grace_s: float) -> None:
         """Take no new requests; those not finished within `grace_s` are answered with an error."""
@@ -102,7 +98,7 @@ class BatchingManager:
             self._num_incoming += len(infs)
             for inf in infs:
                 self.engine.loras.hold(inf.lora)  # its adapter stays loaded until it is answered
-                self._record(inf, "arrived")
+                self.observer.arrived(inf)
             self._cond.notify()
         return infs
 
@@ -127,13 +123,15 @@ class BatchingManager:
         names = lambda loras: sorted({a.name for a in loras if a is not None})  # noqa: E731
         return names(seq.lora for seq in list(scheduler.running)), names(waiting)
 
+    @property
+    def steps_done(self) -> int:
+        return self.observer.steps_done
+
     def finished_steps(self) -> list[StepRecord]:
-        """Kept step records whose figures are final (not the running step's), oldest first."""
-        done = self.steps_done  # read first: records up to here are no longer written
-        return [r for r in self.engine.step_log.since(0) if r.index <= done]
+        return self.observer.finished_steps()
 
     def step_summary(self) -> StepSummary:
-        return summarize(self.finished_steps())
+        return self.observer.step_summary()
 
     # --- the loop thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -160,11 +158,10 @@ class BatchingManager:
                 self._check_cache()
                 self.admission.publish(engine.scheduler.waiting, engine.scheduler.running)  # nothing left
             while not engine.has_work() and not self._incoming and not self._past_stop():
-                self.stats.mark_busy(False)
+                self.observer.idle()
                 self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())
                 self._apply_cancellations()
-                self.heartbeat.wake()
-            self.stats.mark_busy(True)
+                self.observer.woke()
             if not self._incoming or (self.mode != "dynamic" and engine.has_work()):
                 count = 0  # nobatch and static: nothing joins a running batch
             elif self.mode == "dynamic":
@@ -183,7 +180,7 @@ class BatchingManager:
         for inf in request:
             self._active[inf.seq.seq_id] = inf
             self.engine.add(inf.seq)
-            self._record(inf, "admitted")
+            self.observer.admitted(inf)
 
     def _check_cache(self) -> None:
         """Verify the KV cache whenever the server goes idle; /stats reports the outcome."""
@@ -230,71 +227,32 @@ class BatchingManager:
         self._cancelled.clear()
 
     def _step(self) -> None:
+        """One step, as nano-vllm's LLMEngine.step(): run the engine, deliver, observe, retire."""
         began = time.monotonic()
         if self.settings.fault_hang_at_step == self.engine.num_steps + 1:
             self._hang.wait()  # fault injection, for tests of /health: this step hangs until shutdown
-        results = self.engine.step()
+        results = self.engine.step()  # schedule, run the model, sample, commit (generate/engine.py)
         if not results:
             return
-        started = time.perf_counter()
-        step = self.engine.step_log.last
-        self.heartbeat.step_done(step.duration_s)
-        self.admission.observe_step(step.num_prefill_tokens, step.duration_s)
-        if self.engine.scheduler.num_preemptions != self._preemptions_seen:
-            self._record_preemptions(step)
-        self._deliver(results, step, began)
-        step.num_queued = self._num_incoming  # nobatch and static keep requests here while a batch runs
-        step.add_stage("deliver", time.perf_counter() - started)
-        self.steps_done = step.index
-
-    def _record_preemptions(self, step: StepRecord) -> None:
-        """Preempted sequences went back to the queue while this step was scheduled."""
-        self._preemptions_seen = self.engine.scheduler.num_preemptions
-        for inf in self._active.values():
-            if inf.seq.num_preemptions != inf.preemptions_seen:
-                inf.preemptions_seen = inf.seq.num_preemptions
-                self._record(inf, "preempted", at=step.started_at)
-
-    def _deliver(self, results: list[StepResult], step: StepRecord, began: float) -> None:
-        """Hand each step's news to the request threads. Sequences end in the engine (Sequence.append
-        decides, stop strings included); here they are only answered."""
-        now = time.monotonic()
-        tokens, firsts, gaps, done = 0, [], [], []  # for the live table, as tokens come
+        news = StepNews(self.engine.step_log.last, began, active=self._active.values(), queued=self._num_incoming)
         for seq, token in results:
-            inf = self._active[seq.seq_id]
-            if inf.phase != "decoding":  # one check per sequence and step: most are decoding
-                self._record_prefill(inf, token, step, began)
-            finished = seq.status is Status.FINISHED
-            if token is None and not finished:  # a prompt chunk short of the prompt's end
-                continue
-            if inf.first_token_at is None:
-                inf.first_token_at = now  # for a prompt-only inference: its prompt's log-probabilities
-                firsts.append(inf)
-            elif token is not None:
-                gaps.append((seq.seq_id, now - inf.last_token_at))
-            if token is not None:
-                tokens += 1
-                inf.last_token_at = now
-            self._emit(inf, finished)
-            if finished:
-                del self._active[seq.seq_id]
-                done.append(inf)
-        self.live.tokens_delivered(tokens, firsts, gaps)
-        for inf in done:  # after the tokens are counted: an answer finds its tokens in /stats
-            self._answer(inf)
-
-    def _record_prefill(self, inf: Inference, token: int | None, step: StepRecord, began: float) -> None:
-        """The step that first schedules a waiting request starts its prefill; its first token ends it."""
-        if inf.phase == "admitted":  # as of the step's start, before its token (if any) was appended
-            if inf.scheduled_at is None:
-                inf.scheduled_at = began
-            self._record(inf, "prefill", at=step.started_at, generated=len(inf.generated_ids) - (token is not None))
-        if token is not None:  # the token that ends a prefill (or a recomputation after a preemption)
-            self._record(inf, "decoding")
+            self._deliver(self._active[seq.seq_id], token, seq.status is Status.FINISHED, news)
+        self.observer.on_step(news)  # all the step measured, in one call (batching/observer.py)
+        for inf in news.finished:
+            del self._active[inf.seq.seq_id]
+            self._release(inf)
 
     @staticmethod
-    def _emit(inf: Inference, finished: bool) -> None:
-        """The text released by the step, to a streaming client; a completion's last delta always goes."""
+    def _deliver(inf: Inference, token: int | None, finished: bool, news: StepNews) -> None:
+        """The text a step released, to a streaming client (a completion's last delta always goes).
+        Sequences end in the engine (Sequence.append decides, stop strings included); here they are
+        only answered."""
+        news.delivered.append((inf, token))
+        if token is None and not finished:  # a prompt chunk short of the prompt's end
+            return
+        if finished:
+            inf.finish()
+            news.finished.append(inf)
         if inf.text is None:
             return
         if finished:
@@ -303,28 +261,17 @@ class BatchingManager:
         if inf.chunks is not None and (piece or finished):
             inf.chunks.put(Delta(inf.index, piece, inf.seq.num_generated, inf.finish_reason if finished else None))
 
-    def _answer(self, inf: Inference, error: str | None = None) -> None:
-        inf.finish(error)
-        self.engine.loras.release(inf.lora)
-        self.live.answered(inf)
-        if error is None:
-            self._record(inf, "finished", ttft_s=inf.ttft_s, latency_s=inf.latency_s)
-        else:
-            self._record(inf, "cancelled" if error == "cancelled" else "failed")
-        inf.answer()  # last: whoever the answer reaches finds the request counted everywhere
+    def _answer(self, inf: Inference, error: str) -> None:
+        """An inference that ends outside a step: cancelled, or failed with the loop (one that ended in
+        the step the loop died in keeps its ending)."""
+        if inf.finished_at is None:
+            inf.finish(error)
+        self.observer.on_answer(inf)
+        self._release(inf)
 
-    def _record(
-        self, inf: Inference, kind: str, at: float | None = None, generated: int | None = None, **ending: float | None
-    ) -> None:
-        """A request event (now, unless `at`); `inf.phase` follows it (the loop's view of the request)."""
-        generated = len(inf.generated_ids) if generated is None else generated
-        constraint = inf.seq.params.constraint
-        constraint_kind = constraint.constraint.kind if constraint is not None else None
-        lora = inf.lora.name if inf.lora is not None else None
-        self.events.record(
-            inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, constraint_kind, lora, **ending
-        )
-        inf.phase = PHASE_AFTER[kind] or kind
+    def _release(self, inf: Inference) -> None:
+        self.engine.loras.release(inf.lora)
+        inf.answer()  # last: whoever the answer reaches finds the request counted everywhere
 
     def _fail_everything(self, reason: str) -> None:
         with self._cond:

@@ -36,7 +36,8 @@ from benchmarks import llama_server, vllm_server
 from benchmarks.gguf_files import prepare
 from benchmarks.peers_report import machine, summary_table, write_report
 from client import cpu
-from client.benchmark import RunSpec, keep_logs, record, write_results
+from client.bench_results import keep_logs, write_results
+from client.bench_runs import RunSpec, record
 from client.client import run_load
 from client.data import arrival_offsets
 from client.launch import start_server, stop_all_on_signal, stop_server
@@ -201,7 +202,7 @@ def run_cb(load: Workload, hf_dir: Path) -> tuple[list[RequestResult], float, di
 def run_one(
     system: str, load: Workload, files: tuple[Path, dict[str, Path]], log_dir: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One system on one load shape: the run's record (client.benchmark.record's, and what it ran with)."""
+    """One system on one load shape: the run's record (client.bench_runs.record's, and what it ran with)."""
     if system == CB:
         measured, duration_s, ran = run_cb(load, files[0])
     else:
@@ -233,7 +234,7 @@ def run_all(args: argparse.Namespace, results: dict[str, Any], files: tuple[Path
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    args.slo = {}  # client.benchmark.record's goodput: none here
+    args.slo = {}  # client.bench_runs.record's goodput: none here
     if args.rebuild:
         return publish(json.loads((args.out / "results.json").read_text()), args.out)
     missing = missing_peer(args)

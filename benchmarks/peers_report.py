@@ -6,7 +6,7 @@ from statistics import mean
 from typing import Any
 
 from benchmarks import llama_server, vllm_server
-from client.benchmark import machine as torch_machine
+from client.bench_results import machine as torch_machine
 from client.report import render, results_tables
 
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")

@@ -25,7 +25,7 @@ import time
 import torch
 
 from config import Settings
-from generate.constraints import Constraint, compile_constraint
+from generate.constraints import Constraint
 from generate.engine import Engine
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
@@ -64,7 +64,7 @@ CONSTRAINTS = {"json_schema": Constraint("json_schema", json.dumps(SCHEMA)), "re
 
 
 def run(engine: Engine, prompts: list[list[int]], new_tokens: int, constraint: Constraint | None) -> dict:
-    compiled = compile_constraint(constraint) if constraint else None
+    compiled = engine.constraints.compile(constraint) if constraint else None
     seqs = [
         Sequence(list(p), SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, constraint=compiled))
         for i, p in enumerate(prompts)

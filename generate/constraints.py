@@ -1,7 +1,8 @@
 """Constraints on what a sequence may generate (structured output), compiled by llguidance.
 
-A `Constraint` says what the output must be; `compile_constraint` turns it into a
-`CompiledConstraint` on the request thread, before admission, so the engine loop never compiles:
+A `Constraint` says what the output must be; the engine's `ConstraintCompiler`
+(generate/constraint_compiler.py) turns it into a `CompiledConstraint` on the request thread, before
+admission, so the engine loop never compiles:
 
     kind          spec
     json_schema   a JSON Schema, as JSON text (llguidance's JSON Schema coverage: $ref/$defs, anyOf,
@@ -27,16 +28,12 @@ STRUCTURED_OPEN_OBJECTS restores the JSON Schema spec's open objects.
 
 The compiled form holds a fresh llguidance matcher; every sequence takes its own copy
 (`CompiledConstraint.matcher`), so n completions and forks each have their own state.
-Compiles are cached (bounded LRU keyed by the constraint; concurrent requests for the same
-constraint wait for one compile) and time-limited (CONSTRAINT_COMPILE_TIMEOUT_S).
+The compiler caches compiles (bounded LRU keyed by the constraint; concurrent requests for the same
+constraint wait for one compile) and limits their time (CONSTRAINT_COMPILE_TIMEOUT_S).
 """
 
 import json
-import threading
-import time
-from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -44,13 +41,12 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.tiktoken import lltokenizer_from_encoding
 
-from config import Settings
 from generate.closed_objects import close_objects
 from generate.tool_grammars import ToolGrammarError, tool_lark
 from model.tokenizer import EOT_ID, load_tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "ebnf", "tool_auto", "tool_calls")
-_NAMES = dict(
+KIND_NAMES = dict(
     json_schema="JSON schema",
     json_object="JSON object",
     regex="regular expression",
@@ -96,21 +92,23 @@ def tokenizer() -> llguidance.LLTokenizer:
     return lltokenizer_from_encoding(load_tokenizer(), n_vocab=VOCAB_SIZE, eos_token=EOT_ID)
 
 
-def to_grammar(c: Constraint) -> str:
-    """The llguidance grammar of a constraint (not yet checked: building a matcher checks it)."""
+def to_grammar(c: Constraint, open_objects: bool = False) -> str:
+    """The llguidance grammar of a constraint (not yet checked: building a matcher checks it). JSON Schema
+    objects admit only their declared properties unless `open_objects` (STRUCTURED_OPEN_OBJECTS)."""
+    close = (lambda schema: schema) if open_objects else close_objects
     if c.kind not in KINDS:
         raise ConstraintError(f"unknown constraint kind {c.kind!r}; one of {', '.join(KINDS)}")
     if c.whitespace_pattern is not None and c.kind not in JSON_KINDS:
         raise ConstraintError("a whitespace pattern applies to JSON constraints only")
     if c.kind in JSON_KINDS:
-        return _json_grammar(c.spec if c.kind == "json_schema" else '{"type": "object"}', c.whitespace_pattern)
+        return _json_grammar(c.spec if c.kind == "json_schema" else '{"type": "object"}', c.whitespace_pattern, close)
     if c.kind == "regex":
         return llguidance.LLMatcher.grammar_from_lark(f"start: /{_lark_regex(c.spec)}/")
     if c.kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark(_choice_lark(c.spec))
     if c.kind in ("tool_auto", "tool_calls"):
         try:
-            return llguidance.LLMatcher.grammar_from_lark(tool_lark(c.kind, c.spec, _close))
+            return llguidance.LLMatcher.grammar_from_lark(tool_lark(c.kind, c.spec, close))
         except ToolGrammarError as e:
             raise ConstraintError(str(e)) from None
     text = c.spec
@@ -124,14 +122,14 @@ def to_grammar(c: Constraint) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
-def _json_grammar(schema_text: str, whitespace_pattern: str | None) -> str:
+def _json_grammar(schema_text: str, whitespace_pattern: str | None, close: Callable[[dict | bool], dict | bool]) -> str:
     try:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as e:
         raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, dict | bool):
         raise ConstraintError("a JSON schema must be an object (or true/false)")
-    schema = _close(schema)
+    schema = close(schema)
     if whitespace_pattern is None:
         options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     else:
@@ -140,11 +138,6 @@ def _json_grammar(schema_text: str, whitespace_pattern: str | None) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as e:
         raise ConstraintError(f"invalid JSON schema: {e}") from None
-
-
-def _close(schema: dict | bool) -> dict | bool:
-    """The schema as the grammar holds output to it: objects closed unless STRUCTURED_OPEN_OBJECTS."""
-    return schema if _settings.structured_open_objects else close_objects(schema)
 
 
 def _lark_regex(regex: str) -> str:
@@ -166,106 +159,3 @@ def _choice_lark(spec: str) -> str:
     if not choices or not all(choices):
         raise ConstraintError("the choice list must hold at least one non-empty string")
     return "start: " + " | ".join(json.dumps(x) for x in choices)
-
-
-class _Cache:
-    """Compiled constraints by constraint, least recently used first out; one compile per constraint
-    at a time (later requests wait on the first one's future). Records compile times and hits."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.entries: OrderedDict[Constraint, Future] = OrderedDict()
-        self.hits = self.misses = self.failures = 0
-        self.compile_times: deque[float] = deque(maxlen=1000)  # seconds, the most recent compiles
-
-    def get_or_start(self, c: Constraint, capacity: int) -> tuple[Future, bool]:
-        """The constraint's future, and whether this caller must compile it."""
-        with self.lock:
-            future = self.entries.get(c)
-            if future is not None:
-                self.entries.move_to_end(c)
-                self.hits += 1
-                return future, False
-            self.misses += 1
-            future = self.entries[c] = Future()
-            while len(self.entries) > capacity:
-                self.entries.popitem(last=False)
-            return future, True
-
-    def clear(self) -> None:
-        with self.lock:
-            self.entries.clear()
-
-    def forget(self, c: Constraint, future: Future) -> None:
-        with self.lock:
-            self.failures += 1
-            if self.entries.get(c) is future:
-                del self.entries[c]
-
-    def record(self, seconds: float) -> None:
-        with self.lock:
-            self.compile_times.append(seconds)
-
-
-_cache = _Cache()
-_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
-_settings = Settings()
-
-
-def configure(settings: Settings) -> None:
-    """Take the compile time limit and cache size from the server's settings, and build the vocabulary's
-    tables now rather than in the first constrained request (the engine calls this)."""
-    global _settings
-    if settings.structured_open_objects != _settings.structured_open_objects:
-        _cache.clear()  # the cache is keyed by the constraint alone: its entries hold the other closing
-    _settings = settings
-    tokenizer()
-
-
-def compile_constraint(c: Constraint) -> CompiledConstraint:
-    """Compile (or take from a bounded LRU cache keyed by the constraint), with a time limit from
-    config.Settings; raises ConstraintError. Thread-safe. Called on the request thread before
-    admission, so the engine loop never compiles."""
-    future, mine = _cache.get_or_start(c, _settings.constraint_cache_size)
-    if mine:
-        try:
-            future.set_result(_compile_within(c, _settings.constraint_compile_timeout_s))
-        except BaseException as e:  # noqa: BLE001 - handed to the future: this caller and its waiters raise it
-            _cache.forget(c, future)
-            future.set_exception(e)
-    return future.result()  # a waiter's compile finishes or fails within the same limit
-
-
-def _compile_within(c: Constraint, timeout_s: float) -> CompiledConstraint:
-    start = time.perf_counter()
-    grammar = to_grammar(c)
-    # llguidance releases the GIL while it builds a matcher; a pathological grammar runs on in the
-    # pool's thread past the limit, but the request is refused at the limit
-    building = _pool.submit(llguidance.LLMatcher, tokenizer(), grammar, log_level=0)
-    try:
-        matcher = building.result(timeout=timeout_s)
-    except FutureTimeout:
-        raise ConstraintError(f"compiling the constraint took longer than {timeout_s:g} s") from None
-    if matcher.is_error():
-        raise ConstraintError(f"invalid {_NAMES[c.kind]}: {matcher.get_error()}")
-    seconds = time.perf_counter() - start
-    _cache.record(seconds)
-    return CompiledConstraint(c, grammar, matcher, seconds)
-
-
-@dataclass(frozen=True, slots=True)
-class CompileStats:
-    compiles: int  # constraints compiled (cache misses that succeeded)
-    failures: int  # constraints refused (invalid, or over the time limit)
-    cache_hits: int
-    mean_s: float  # over the most recent compiles (up to 1000)
-    p99_s: float
-
-
-def compile_stats() -> CompileStats:
-    with _cache.lock:
-        times = sorted(_cache.compile_times)
-        hits, misses, failures = _cache.hits, _cache.misses, _cache.failures
-    p99 = times[min(len(times) - 1, int(0.99 * len(times)))] if times else 0.0
-    mean = sum(times) / len(times) if times else 0.0
-    return CompileStats(misses - failures, failures, hits, mean, p99)

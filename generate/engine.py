@@ -9,6 +9,7 @@ import torch
 
 from config import Settings
 from generate import constraints
+from generate.constraint_compiler import ConstraintCompiler
 from generate.fair_share import FairShare
 from generate.grammar_mask import GrammarMasks, StepMasks
 from generate.lora_registry import LoraRegistry
@@ -74,7 +75,7 @@ class Engine:
         self.loras = LoraRegistry(config, settings)  # adapters by name; a simulated engine serves none
         self.step_log = StepLog(settings.step_log_size)
         self.num_steps = 0
-        constraints.configure(settings)
+        self.constraints = ConstraintCompiler(settings)  # request threads compile with it, before admission
         self.grammar = GrammarMasks(constraints.VOCAB_SIZE, runner.on_gpu)  # .stats: structured output's counters
 
     @classmethod

@@ -12,8 +12,11 @@ from api.protocol import ChatBody, parse
 from api.tool_calls import call_schema
 from config import Settings
 from generate.closed_objects import close_objects
-from generate.constraints import Constraint, ConstraintError, compile_constraint, configure
+from generate.constraint_compiler import ConstraintCompiler
+from generate.constraints import Constraint, ConstraintError
 from model.tokenizer import load_tokenizer
+
+compile_constraint = ConstraintCompiler(Settings()).compile  # an engine's, without the engine
 
 TOKENIZER = load_tokenizer()
 
@@ -43,10 +46,10 @@ def schema(s: dict) -> Constraint:
 
 
 @pytest.fixture
-def open_objects():
-    configure(Settings(structured_open_objects=True))
-    yield
-    configure(Settings())
+def open_objects(monkeypatch):
+    monkeypatch.setitem(
+        globals(), "compile_constraint", ConstraintCompiler(Settings(structured_open_objects=True)).compile
+    )
 
 
 def test_a_pydantic_schema_admits_its_declared_keys_and_nothing_more():

@@ -17,10 +17,13 @@ from test_model import make_engine, run_checked
 
 from batching.text_stream import TextStream
 from config import Settings
-from generate import constraints
-from generate.constraints import Constraint, ConstraintError, compile_constraint, compile_stats, configure
+from generate.constraint_compiler import ConstraintCompiler
+from generate.constraints import Constraint, ConstraintError
 from generate.sequence import SamplingParams, Sequence
 from model.tokenizer import EOT_ID, load_tokenizer
+
+COMPILER = ConstraintCompiler(Settings())  # an engine's, without the engine
+compile_constraint, compile_stats = COMPILER.compile, COMPILER.stats
 
 TOKENIZER = load_tokenizer()
 
@@ -292,16 +295,16 @@ def test_a_compile_over_the_time_limit_is_refused_and_not_cached(monkeypatch):
     release = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1)
     pool.submit(release.wait, 60)
-    monkeypatch.setattr(constraints, "_pool", pool)
+    monkeypatch.setattr(COMPILER, "_pool", pool)
     constraint = Constraint("regex", "[0-9]{3}-held")
     before = compile_stats()
-    configure(Settings(constraint_compile_timeout_s=0.05))
+    monkeypatch.setattr(COMPILER, "timeout_s", 0.05)
     try:
         with pytest.raises(ConstraintError, match="longer than"):
             compile_constraint(constraint)
     finally:
         release.set()
-        configure(Settings())
+        monkeypatch.setattr(COMPILER, "timeout_s", Settings().constraint_compile_timeout_s)
     after = compile_stats()
     assert after.failures == before.failures + 1 and after.compiles == before.compiles
     assert compile_constraint(constraint).constraint == constraint  # not cached as failed: compiles now

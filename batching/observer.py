@@ -1,0 +1,153 @@
+"""What the batching loop measures, beside the loop rather than through it.
+
+The loop tells the observer what happened, once per step (`on_step`) and once per answered
+inference (`on_answer`), plus the few moments between steps (an arrival, an admission, idling and
+waking); the observer fans each out to its readers: the request events (events.py), the live
+table (live.py: since-start counts, histograms, the window), the heartbeat (/health's hang
+detection), admission's measured prefill rate, and the step's record (its delivery stage, and when
+it is final). Readers on other threads take copies; nothing here waits on them.
+
+Each inference's timestamps (first token, latest token, first scheduled) are set here too, as its
+tokens are observed, before its answer wakes the request thread that reads them.
+"""
+
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from batching.admission import Admission
+from batching.events import PHASE_AFTER, EventLog
+from batching.heartbeat import Heartbeat
+from batching.inference import Inference
+from batching.live import LiveTable
+from batching.step_summary import StepSummary, summarize
+from config import Settings
+from generate.engine import Engine
+from generate.step_log import StepRecord
+
+
+@dataclass(slots=True)
+class StepNews:
+    """What one engine step did, as the loop saw it while delivering."""
+
+    record: StepRecord  # the engine's record of the step
+    began: float  # monotonic time the loop started the step
+    delivered: list[tuple[Inference, int | None]] = field(default_factory=list)  # (inference, token or None)
+    finished: list[Inference] = field(default_factory=list)  # ended in this step (`finish()`ed, not answered)
+    active: Collection[Inference] = ()  # every inference the engine held in the step
+    queued: int = 0  # inferences still in the manager's queue (nobatch and static keep them there)
+    started: float = field(default_factory=time.perf_counter)  # when delivery began, for its stage time
+    # monotonic time of the step's tokens (taken before any of its inferences finished)
+    at: float = field(default_factory=time.monotonic)
+
+
+class LoopObserver:
+    def __init__(self, engine: Engine, settings: Settings, admission: Admission, num_waiting: Callable[[], int]):
+        self.engine, self.admission = engine, admission
+        self.live = LiveTable(engine, settings.timeline_window_s, num_waiting, admission.counts)
+        self.events = EventLog(settings.request_event_log_size)
+        self.heartbeat = Heartbeat(settings.engine_stall_s, settings.engine_first_step_s)
+        # The last step whose record is final (delivery charged): readers of the step log stop
+        # there, since the loop still fills in the record of the step it is running.
+        self.steps_done = 0
+        self._preemptions_seen = 0  # the scheduler's count at the last step; loop thread only
+
+    # --- between steps -----------------------------------------------------------------------------
+    def arrived(self, inf: Inference) -> None:
+        """On the request thread: the inference joined the manager's queue."""
+        self._record(inf, "arrived")
+
+    def admitted(self, inf: Inference) -> None:
+        """Handed to the engine, whose scheduler will run it when there is room."""
+        self._record(inf, "admitted")
+
+    def idle(self) -> None:
+        """The loop is about to wait for work: throughput counts busy time only."""
+        self.live.stats.mark_busy(False)
+
+    def woke(self) -> None:
+        """The loop took up work after waiting: the heartbeat's wait for a step starts now."""
+        self.heartbeat.wake()
+        self.live.stats.mark_busy(True)
+
+    # --- each step ---------------------------------------------------------------------------------
+    def on_step(self, news: StepNews) -> None:
+        """The step's tokens, phase changes and answers counted, then its record made final."""
+        step = news.record
+        self.heartbeat.step_done(step.duration_s)
+        self.admission.observe_step(step.num_prefill_tokens, step.duration_s)
+        if self.engine.scheduler.num_preemptions != self._preemptions_seen:
+            self._record_preemptions(news.active, step)
+        self._count_tokens(news)
+        for inf in news.finished:  # after the tokens: an answer finds its tokens in /stats
+            self.on_answer(inf)
+        step.num_queued = news.queued
+        step.add_stage("deliver", time.perf_counter() - news.started)
+        self.steps_done = step.index
+
+    def _count_tokens(self, news: StepNews) -> None:
+        now = news.at
+        tokens, firsts, gaps = 0, [], []
+        for inf, token in news.delivered:
+            if inf.phase != "decoding":  # one check per sequence and step: most are decoding
+                self._record_prefill(inf, token, news)
+            if token is None and inf.finished_at is None:  # a prompt chunk short of the prompt's end
+                continue
+            if inf.first_token_at is None:
+                inf.first_token_at = now  # for a prompt-only inference: its prompt's log-probabilities
+                firsts.append(inf)
+            elif token is not None:
+                gaps.append((inf.seq.seq_id, now - inf.last_token_at))
+            if token is not None:
+                tokens += 1
+                inf.last_token_at = now
+        self.live.tokens_delivered(tokens, firsts, gaps)
+
+    def _record_prefill(self, inf: Inference, token: int | None, news: StepNews) -> None:
+        """The step that first schedules a waiting request starts its prefill; its first token ends it."""
+        if inf.phase == "admitted":  # as of the step's start, before its token (if any) was appended
+            if inf.scheduled_at is None:
+                inf.scheduled_at = news.began
+            generated = len(inf.generated_ids) - (token is not None)
+            self._record(inf, "prefill", at=news.record.started_at, generated=generated)
+        if token is not None:  # the token that ends a prefill (or a recomputation after a preemption)
+            self._record(inf, "decoding")
+
+    def _record_preemptions(self, active: Collection[Inference], step: StepRecord) -> None:
+        """Preempted sequences went back to the queue while this step was scheduled."""
+        self._preemptions_seen = self.engine.scheduler.num_preemptions
+        for inf in active:
+            if inf.seq.num_preemptions != inf.preemptions_seen:
+                inf.preemptions_seen = inf.seq.num_preemptions
+                self._record(inf, "preempted", at=step.started_at)
+
+    # --- each answer -------------------------------------------------------------------------------
+    def on_answer(self, inf: Inference) -> None:
+        """An inference ended (`inf.finish()` done) and is about to be answered."""
+        self.live.answered(inf)
+        if inf.error is None:
+            self._record(inf, "finished", ttft_s=inf.ttft_s, latency_s=inf.latency_s)
+        else:
+            self._record(inf, "cancelled" if inf.error == "cancelled" else "failed")
+
+    def _record(
+        self, inf: Inference, kind: str, at: float | None = None, generated: int | None = None, **ending: float | None
+    ) -> None:
+        """A request event (now, unless `at`); `inf.phase` follows it (the loop's view of the request)."""
+        generated = len(inf.generated_ids) if generated is None else generated
+        constraint = inf.seq.params.constraint
+        constraint_kind = constraint.constraint.kind if constraint is not None else None
+        lora = inf.lora.name if inf.lora is not None else None
+        self.events.record(
+            inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, constraint_kind, lora, **ending
+        )
+        inf.phase = PHASE_AFTER[kind] or kind
+
+    # --- readers (request threads) -----------------------------------------------------------------
+    def finished_steps(self) -> list[StepRecord]:
+        """Kept step records whose figures are final (not the running step's), oldest first."""
+        done = self.steps_done  # read first: records up to here are no longer written
+        return [r for r in self.engine.step_log.since(0) if r.index <= done]
+
+    def step_summary(self) -> StepSummary:
+        return summarize(self.finished_steps())
