@@ -27,7 +27,6 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,10 +42,10 @@ from client.metrics import SLO_METRICS, RequestResult, Summary, summarize  # noq
 from client.report import results_tables, write_report  # noqa: E402
 from client.stream import stream_completion  # noqa: E402
 from client.workloads import GROUPS, WORKLOADS, Workload, build  # noqa: E402
-from config import MODES, Settings  # noqa: E402
+from config import MODES, EngineSettings, setting_fields  # noqa: E402
 from model.loader import resolve_model  # noqa: E402
 
-SETTING_NAMES = [f.name.upper() for f in fields(Settings)]
+SETTING_NAMES = [name.upper() for name in setting_fields()]
 BALANCES = ("prefix", "roundrobin")  # cluster.sh's BALANCE
 # transformers' static `generate` in padded batches, and its continuous batching over a paged cache
 BASELINES = ("transformers", "transformers-cb")
@@ -142,7 +141,7 @@ def measure_baseline(name: str, workload: Workload, args: argparse.Namespace) ->
     """One baseline (BASELINES) on the workload, offline, on the device the servers used."""
     from model.tokenizer import load_tokenizer
 
-    settings = Settings.from_env()
+    settings = EngineSettings.from_env()
     used = None
     # transformers is imported only when a baseline is asked for: the server does not need it
     if name == "transformers-cb":

@@ -44,7 +44,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.tiktoken import lltokenizer_from_encoding
 
-from config import Settings
+from config import EngineSettings
 from generate.closed_objects import close_objects
 from generate.tool_grammars import ToolGrammarError, tool_lark
 from model.tokenizer import EOT_ID, load_tokenizer
@@ -209,10 +209,10 @@ class _Cache:
 
 _cache = _Cache()
 _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
-_settings = Settings()
+_settings = EngineSettings()
 
 
-def configure(settings: Settings) -> None:
+def configure(settings: EngineSettings) -> None:
     """Take the compile time limit and cache size from the server's settings, and build the vocabulary's
     tables now rather than in the first constrained request (the engine calls this)."""
     global _settings
@@ -224,7 +224,7 @@ def configure(settings: Settings) -> None:
 
 def compile_constraint(c: Constraint) -> CompiledConstraint:
     """Compile (or take from a bounded LRU cache keyed by the constraint), with a time limit from
-    config.Settings; raises ConstraintError. Thread-safe. Called on the request thread before
+    config.EngineSettings; raises ConstraintError. Thread-safe. Called on the request thread before
     admission, so the engine loop never compiles."""
     future, mine = _cache.get_or_start(c, _settings.constraint_cache_size)
     if mine:

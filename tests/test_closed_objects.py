@@ -10,7 +10,7 @@ import pytest
 
 from api.protocol import ChatBody, parse
 from api.tool_calls import call_schema
-from config import Settings
+from config import EngineSettings
 from generate.closed_objects import close_objects
 from generate.constraints import Constraint, ConstraintError, compile_constraint, configure
 from model.tokenizer import load_tokenizer
@@ -44,9 +44,9 @@ def schema(s: dict) -> Constraint:
 
 @pytest.fixture
 def open_objects():
-    configure(Settings(structured_open_objects=True))
+    configure(EngineSettings(structured_open_objects=True))
     yield
-    configure(Settings())
+    configure(EngineSettings())
 
 
 def test_a_pydantic_schema_admits_its_declared_keys_and_nothing_more():

@@ -16,7 +16,7 @@ from conftest import random_prompts
 from test_model import make_engine, run_checked
 
 from batching.text_stream import TextStream
-from config import Settings
+from config import EngineSettings
 from generate import constraints
 from generate.constraints import Constraint, ConstraintError, compile_constraint, compile_stats, configure
 from generate.sequence import SamplingParams, Sequence
@@ -295,13 +295,13 @@ def test_a_compile_over_the_time_limit_is_refused_and_not_cached(monkeypatch):
     monkeypatch.setattr(constraints, "_pool", pool)
     constraint = Constraint("regex", "[0-9]{3}-held")
     before = compile_stats()
-    configure(Settings(constraint_compile_timeout_s=0.05))
+    configure(EngineSettings(constraint_compile_timeout_s=0.05))
     try:
         with pytest.raises(ConstraintError, match="longer than"):
             compile_constraint(constraint)
     finally:
         release.set()
-        configure(Settings())
+        configure(EngineSettings())
     after = compile_stats()
     assert after.failures == before.failures + 1 and after.compiles == before.compiles
     assert compile_constraint(constraint).constraint == constraint  # not cached as failed: compiles now
@@ -335,7 +335,7 @@ def test_bad_constraints_are_refused(constraint, words):
 def test_the_simulated_engine_keeps_to_constraints_too():
     from sim.engine import simulated_engine
 
-    engine = simulated_engine(Settings(engine="sim", sim_model="gpt2", sim_gpu="h100-sxm"), announce=False)
+    engine = simulated_engine(EngineSettings(engine="sim", sim_model="gpt2", sim_gpu="h100-sxm"), announce=False)
     groups = {
         name: constrained_group(prompt, constraint, n=2, seed=k)
         for k, ((name, (constraint, _)), prompt) in enumerate(zip(CASES.items(), random_prompts([6] * 5, seed=15)))
