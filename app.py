@@ -35,7 +35,10 @@ def create_app(settings: Settings | None = None) -> Flask:
         log.warning("%s", warning)
     template = ChatTemplate.load(settings.chat_template)  # a bad file stops the server before the model loads
     keys = tenants.load_keys(settings)  # so does a bad keys file
-    engine = simulated_engine(settings) if settings.engine == "sim" else Engine.from_settings(settings)
+    engine_settings = settings.engine
+    engine = (
+        simulated_engine(engine_settings) if engine_settings.engine == "sim" else Engine.from_settings(engine_settings)
+    )
     if settings.switch_interval_ms:
         sys.setswitchinterval(settings.switch_interval_ms / 1000)
     manager = BatchingManager(engine, settings)
@@ -116,7 +119,11 @@ def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager) -> Bat
         return response.status_code, response.get_json(silent=True)
 
     jobs = BatchJobs(
-        BatchStore(settings.data_dir), send, lambda: manager.ready, PRIORITY_LIMIT, settings.batch_in_flight
+        BatchStore(settings.batch_api.data_dir),
+        send,
+        lambda: manager.ready,
+        PRIORITY_LIMIT,
+        settings.batch_api.batch_in_flight,
     )
     jobs.start()
     return jobs

@@ -1,9 +1,12 @@
-"""Every setting of the server, read once from the environment and an optional `.env`."""
+"""Every setting of the server, read once from the environment and an optional `.env`, in groups by who
+reads them: the engine's (`EngineSettings`: model, dtype, blocks, budgets, scheduling), the front door's
+(`FrontDoorSettings`: HAProxy), the Batch API's (`BatchApiSettings`), and the server's own (`Settings`:
+HTTP, admission, telemetry), which holds the other three. Each variable is a field's name in upper case."""
 
 import ipaddress
 import os
 import socket
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from dotenv import load_dotenv
 
@@ -14,17 +17,17 @@ SPARE_THREADS = 32
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
-    mode: str = "dynamic"
+class EngineSettings:
+    """What the engine reads (generate/, model/, kvcache/, sim/): it never sees the server's settings."""
+
     engine: str = "gpt2"  # gpt2: the real model; sim: a cost model's step times (sim/)
     sim_model: str = "gpt2-medium"  # ENGINE=sim: a model in sim/models.toml
     sim_gpu: str = "a100-80gb"  # ENGINE=sim: a GPU in sim/gpus.toml, or a profile file from sim.profiler
     sim_num_gpus: int = 1  # ENGINE=sim: tensor-parallel GPUs; memory, FLOP/s and bandwidth scale with it
     model: str = ""  # empty: gpt2-medium from the hub, else random gpt2-medium weights
-    host: str = "127.0.0.1"
-    port: int = 8500
     device: str = ""  # empty: cuda if available, else cpu
     dtype: str = ""  # empty: generate.engine.default_dtype; ENGINE=sim: the simulated model's (16-bit)
+    seed: int = 0  # seed of random:<name> weights
     max_batch_size: int = 256
     max_batch_tokens: int = 0  # per-step token budget; 0: 256 on CPU, 2048 on CUDA and simulated GPUs
     chunked_prefill: bool = True  # off: a prompt is prefilled in one step, so the budget must cover a context
@@ -32,31 +35,10 @@ class Settings:
     kv_cache_blocks: int = 0  # > 0 overrides kv_cache_gb (tests, tiny pools)
     block_size: int = 16
     prefix_cache: bool = True
-    max_waiting: int = 1024
-    static_batch_wait_s: float = 0.05  # how long static mode gathers a batch
-    request_timeout_s: float = 600.0
-    max_body_bytes: int = 1 << 20
-    seed: int = 0  # seed of random:<name> weights
-    api_key: str = ""  # when set, every endpoint but /health and the dashboard page needs "Authorization: Bearer <key>"
-    shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
     attention_backend: str = "auto"  # auto: triton on CUDA when installed, else reference
     cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
     cpu_linear: str = "auto"  # matrix products on a CPU: auto (oneDNN in float32), onednn, aten (model/cpu_linear.py)
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
-    chat_template: str = ""  # /v1/chat/completions: a template file (api/chat_template.toml's shape); empty: that one
-    replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
-    request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)
-    timeline_window_s: float = 30.0  # /stats "window", /stats/timeline, the page: latency and tokens/s over it
-    # The front door (HAProxy, deploy/): server.sh puts it in front when HOST is not loopback or TLS_CERT is set.
-    front: str = "auto"  # auto: HAProxy in front when exposed; off: gunicorn faces the network itself
-    tls_cert: str = ""  # a PEM file, certificate and key: the front door speaks HTTPS
-    request_read_timeout_s: float = 30.0  # a client's request line, headers and body must all arrive by then (408)
-    max_header_bytes: int = 16384  # request line and headers larger than this get a 400
-    queue_timeout_s: float = 10.0  # a request waiting for a free replica thread longer than this gets a 503
-    limit_connections: int = 256  # per client, connections open at once (an exposed front; 0: no limit)
-    limit_requests: int = 200  # per client, requests in LIMIT_PERIOD_S (an exposed front; 0: no limit)
-    limit_period_s: int = 10  # the request rate's window, and the 429's Retry-After
-    limit_by: str = "address"  # address: a client is its IP address; key: its Authorization header, if it sends one
     constraint_compile_timeout_s: float = 10.0  # structured output: a constraint compiling longer is refused (400)
     constraint_cache_size: int = 256  # structured output: compiled constraints kept (least recently used out)
     # structured output: objects in a JSON schema that declare properties and say nothing of others admit
@@ -66,23 +48,9 @@ class Settings:
     # seconds of waiting (0: strict priority, which can starve); generate/priority.py
     priority_aging_s: float = 10.0
     priority_prefill_first: bool = True  # less urgent prompt chunks wait while a more urgent prompt prefills
-    # How long a thread holding the GIL keeps it from one that waits (sys.setswitchinterval): the engine's loop
-    # takes the GIL back after every device copy and wait, while request threads stream tokens; 0: Python's 5 ms
-    switch_interval_ms: float = 0.0
-    engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
-    engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
-    max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
-    ttft_target_s: float = 0.0  # refuse (429) a request that could not start within this; 0: off
-    data_dir: str = "data"  # the Batch API's files and batches (they survive a restart there)
-    batch_max_file_bytes: int = 8 << 20  # an uploaded batch file
-    batch_max_requests: int = 10_000  # lines of one batch file
-    batch_in_flight: int = 32  # a batch's requests in the server at once
-    # Fair share between tenants (docs/fairness.md): admission follows the least weighted service
     fair_share: bool = True  # off: first come, first served within a priority, as before
     fair_share_input_weight: float = 1.0  # a prompt token's cost to its tenant's counter
     fair_share_output_weight: float = 2.0  # a generated token's cost
-    api_keys_file: str = ""  # keys (sha256-hashed or plain), each with its tenant, weight and limits (TOML or JSON)
-    fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
     # LoRA adapters (docs/lora.md): name=path,... loaded at start; distinct adapters in one step (device slots);
     # the largest rank accepted; adapters held (loaded) at once
     lora_modules: str = ""
@@ -91,8 +59,6 @@ class Settings:
     max_cpu_loras: int = 16
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"MODE must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"ENGINE must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not self.sim_model or not self.sim_gpu:
@@ -107,22 +73,12 @@ class Settings:
             raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
         if self.cpu_linear not in ("auto", "onednn", "aten"):
             raise ValueError(f"CPU_LINEAR must be auto, onednn or aten, got {self.cpu_linear!r}")
-        if self.step_log_size < 1 or self.request_event_log_size < 1:
-            raise ValueError("STEP_LOG_SIZE and REQUEST_EVENT_LOG_SIZE must be at least 1")
+        if self.step_log_size < 1:
+            raise ValueError(f"STEP_LOG_SIZE must be at least 1, got {self.step_log_size}")
         if self.constraint_compile_timeout_s <= 0 or self.constraint_cache_size < 1:
             raise ValueError("CONSTRAINT_COMPILE_TIMEOUT_S must be positive and CONSTRAINT_CACHE_SIZE at least 1")
-        if self.timeline_window_s <= 0:
-            raise ValueError(f"TIMELINE_WINDOW_S must be positive, got {self.timeline_window_s}")
         if self.dtype not in ("", "float32", "float16", "bfloat16"):
             raise ValueError(f"DTYPE must be float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.engine_stall_s <= 0 or self.engine_first_step_s <= 0:
-            raise ValueError("ENGINE_STALL_S and ENGINE_FIRST_STEP_S must be positive")
-        if self.batch_max_file_bytes < 1 or self.batch_max_requests < 1 or self.batch_in_flight < 1:
-            raise ValueError("BATCH_MAX_FILE_BYTES, BATCH_MAX_REQUESTS and BATCH_IN_FLIGHT must be positive")
-        if self.max_waiting_tokens < 0 or self.ttft_target_s < 0:
-            raise ValueError("MAX_WAITING_TOKENS and TTFT_TARGET_S must be at least 0 (0: off)")
-        if self.switch_interval_ms < 0:
-            raise ValueError(f"SWITCH_INTERVAL_MS must be at least 0 (0: Python's), got {self.switch_interval_ms}")
         if self.priority_aging_s < 0:
             raise ValueError(f"PRIORITY_AGING_S must be at least 0, got {self.priority_aging_s}")
         if self.fair_share_input_weight < 0 or self.fair_share_output_weight < 0:
@@ -131,21 +87,6 @@ class Settings:
             raise ValueError("BLOCK_SIZE and MAX_BATCH_SIZE must be positive")
         if min(self.max_loras, self.max_lora_rank, self.max_cpu_loras) < 1:
             raise ValueError("MAX_LORAS, MAX_LORA_RANK and MAX_CPU_LORAS must be at least 1")
-        self._check_front()
-
-    def _check_front(self) -> None:
-        if self.front not in ("auto", "off"):
-            raise ValueError(f"FRONT must be auto or off, got {self.front!r}")
-        if self.front == "off" and self.tls_cert:
-            raise ValueError("TLS_CERT needs the front door (HAProxy terminates TLS): unset FRONT=off")
-        if self.limit_by not in ("address", "key"):
-            raise ValueError(f"LIMIT_BY must be address or key, got {self.limit_by!r}")
-        if self.limit_by == "key" and not (self.api_key or self.api_keys_file):
-            raise ValueError("LIMIT_BY=key counts requests by their API key: set API_KEY or API_KEYS_FILE")
-        if min(self.limit_connections, self.limit_requests) < 0 or self.limit_period_s < 1:
-            raise ValueError("LIMIT_CONNECTIONS and LIMIT_REQUESTS must be at least 0, LIMIT_PERIOD_S at least 1")
-        if self.request_read_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.max_header_bytes < 1024:
-            raise ValueError("REQUEST_READ_TIMEOUT_S and QUEUE_TIMEOUT_S must be positive, MAX_HEADER_BYTES >= 1024")
 
     def batch_token_budget(self, on_gpu: bool, max_context: int) -> int:
         """MAX_BATCH_TOKENS, or its default for the device: small on a CPU, where a step's cost grows
@@ -165,6 +106,99 @@ class Settings:
         """Sequences that may run at once: each decodes a token every step, so no more than the budget holds."""
         return min(self.max_batch_size, self.batch_token_budget(on_gpu, max_context))
 
+    @classmethod
+    def from_env(cls, env_file: str | None = None, **overrides) -> "EngineSettings":
+        """The engine's settings alone from the environment (for benchmarks and tools that run no server)."""
+        return Settings.from_env(env_file, **overrides).engine
+
+
+@dataclass(frozen=True, slots=True)
+class FrontDoorSettings:
+    """HAProxy in front of the replicas (deploy/): server.sh puts it there when HOST is not loopback or TLS_CERT
+    is set."""
+
+    front: str = "auto"  # auto: HAProxy in front when exposed; off: gunicorn faces the network itself
+    tls_cert: str = ""  # a PEM file, certificate and key: the front door speaks HTTPS
+    request_read_timeout_s: float = 30.0  # a client's request line, headers and body must all arrive by then (408)
+    max_header_bytes: int = 16384  # request line and headers larger than this get a 400
+    queue_timeout_s: float = 10.0  # a request waiting for a free replica thread longer than this gets a 503
+    limit_connections: int = 256  # per client, connections open at once (an exposed front; 0: no limit)
+    limit_requests: int = 200  # per client, requests in LIMIT_PERIOD_S (an exposed front; 0: no limit)
+    limit_period_s: int = 10  # the request rate's window, and the 429's Retry-After
+    limit_by: str = "address"  # address: a client is its IP address; key: its Authorization header, if it sends one
+
+    def __post_init__(self) -> None:
+        if self.front not in ("auto", "off"):
+            raise ValueError(f"FRONT must be auto or off, got {self.front!r}")
+        if self.front == "off" and self.tls_cert:
+            raise ValueError("TLS_CERT needs the front door (HAProxy terminates TLS): unset FRONT=off")
+        if self.limit_by not in ("address", "key"):
+            raise ValueError(f"LIMIT_BY must be address or key, got {self.limit_by!r}")
+        if min(self.limit_connections, self.limit_requests) < 0 or self.limit_period_s < 1:
+            raise ValueError("LIMIT_CONNECTIONS and LIMIT_REQUESTS must be at least 0, LIMIT_PERIOD_S at least 1")
+        if self.request_read_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.max_header_bytes < 1024:
+            raise ValueError("REQUEST_READ_TIMEOUT_S and QUEUE_TIMEOUT_S must be positive, MAX_HEADER_BYTES >= 1024")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchApiSettings:
+    """The Batch API's files and limits (batching/batch_jobs.py)."""
+
+    data_dir: str = "data"  # the Batch API's files and batches (they survive a restart there)
+    batch_max_file_bytes: int = 8 << 20  # an uploaded batch file
+    batch_max_requests: int = 10_000  # lines of one batch file
+    batch_in_flight: int = 32  # a batch's requests in the server at once
+
+    def __post_init__(self) -> None:
+        if self.batch_max_file_bytes < 1 or self.batch_max_requests < 1 or self.batch_in_flight < 1:
+            raise ValueError("BATCH_MAX_FILE_BYTES, BATCH_MAX_REQUESTS and BATCH_IN_FLIGHT must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The server's own settings (HTTP, admission, telemetry), holding the engine's, the front door's and the
+    Batch API's."""
+
+    mode: str = "dynamic"
+    host: str = "127.0.0.1"
+    port: int = 8500
+    max_waiting: int = 1024
+    static_batch_wait_s: float = 0.05  # how long static mode gathers a batch
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 1 << 20
+    api_key: str = ""  # when set, every endpoint but /health and the dashboard page needs "Authorization: Bearer <key>"
+    shutdown_grace_s: float = 20.0  # on SIGTERM, how long running requests may take to finish
+    chat_template: str = ""  # /v1/chat/completions: a template file (api/chat_template.toml's shape); empty: that one
+    replica_name: str = ""  # empty: host:port; names this server in every response's X-Replica header
+    request_event_log_size: int = 4096  # request events kept for the timeline (a ring buffer)
+    timeline_window_s: float = 30.0  # /stats "window", /stats/timeline, the page: latency and tokens/s over it
+    # How long a thread holding the GIL keeps it from one that waits (sys.setswitchinterval): the engine's loop
+    # takes the GIL back after every device copy and wait, while request threads stream tokens; 0: Python's 5 ms
+    switch_interval_ms: float = 0.0
+    engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
+    engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
+    max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
+    ttft_target_s: float = 0.0  # refuse (429) a request that could not start within this; 0: off
+    api_keys_file: str = ""  # keys (sha256-hashed or plain), each with its tenant, weight and limits (TOML or JSON)
+    fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    front_door: FrontDoorSettings = field(default_factory=FrontDoorSettings)
+    batch_api: BatchApiSettings = field(default_factory=BatchApiSettings)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"MODE must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.request_event_log_size < 1 or self.timeline_window_s <= 0:
+            raise ValueError("REQUEST_EVENT_LOG_SIZE must be at least 1 and TIMELINE_WINDOW_S positive")
+        if self.engine_stall_s <= 0 or self.engine_first_step_s <= 0:
+            raise ValueError("ENGINE_STALL_S and ENGINE_FIRST_STEP_S must be positive")
+        if self.max_waiting_tokens < 0 or self.ttft_target_s < 0:
+            raise ValueError("MAX_WAITING_TOKENS and TTFT_TARGET_S must be at least 0 (0: off)")
+        if self.switch_interval_ms < 0:
+            raise ValueError(f"SWITCH_INTERVAL_MS must be at least 0 (0: Python's), got {self.switch_interval_ms}")
+        if self.front_door.limit_by == "key" and not (self.api_key or self.api_keys_file):
+            raise ValueError("LIMIT_BY=key counts requests by their API key: set API_KEY or API_KEYS_FILE")
+
     @property
     def replica(self) -> str:
         """This server's name behind a load balancer: REPLICA_NAME, else host:port."""
@@ -176,7 +210,7 @@ class Settings:
     @property
     def server_threads(self) -> int:
         """gunicorn's threads: one for each request the server admits (running and waiting), and spares."""
-        return max(256, self.max_batch_size + self.max_waiting + SPARE_THREADS)
+        return max(256, self.engine.max_batch_size + self.max_waiting + SPARE_THREADS)
 
     @property
     def exposed(self) -> bool:
@@ -206,21 +240,51 @@ class Settings:
             warnings.append(f"HOST={self.host} and no API_KEY: anyone who reaches this port can generate")
         return warnings
 
-    def redacted(self) -> "Settings":
-        """These settings, safe to log."""
+    def redacted(self) -> "Settings":  # these settings, safe to log
         return replace(self, api_key="***" if self.api_key else "")
+
+    @classmethod
+    def of(cls, **values) -> "Settings":
+        """Settings from fields of any group by name (as the environment gives them), each to its group."""
+        groups = {name: {} for name in GROUPS}
+        for key, value in values.items():
+            group = next((g for g, kind in GROUPS.items() if key in {f.name for f in _own(kind)}), None)
+            if group is None:
+                raise TypeError(f"no setting named {key!r}")
+            groups[group][key] = value
+        server = groups.pop("")
+        return cls(**server, **{g: GROUPS[g](**v) for g, v in groups.items()})
 
     @classmethod
     def from_env(cls, env_file: str | None = None, **overrides) -> "Settings":
         """Settings from `NAME` variables (upper-case field names), `.env` filling gaps."""
         load_dotenv(env_file or ".env", override=False)
         values = {}
-        for f in fields(cls):
-            raw = os.environ.get(f.name.upper())
+        for name, kind in setting_fields().items():
+            raw = os.environ.get(name.upper())
             if raw is not None and raw != "":
-                values[f.name] = _parse(raw, type(f.default), f.name)
+                values[name] = _parse(raw, kind, name)
         values.update(overrides)
-        return cls(**values)
+        return cls.of(**values)
+
+
+# Each group's attribute on Settings ("": Settings' own fields).
+GROUPS: dict[str, type] = {
+    "": Settings,
+    "engine": EngineSettings,
+    "front_door": FrontDoorSettings,
+    "batch_api": BatchApiSettings,
+}
+
+
+def _own(kind: type) -> list:
+    """A group's own fields: Settings' without the groups it holds."""
+    return [f for f in fields(kind) if not (kind is Settings and f.name in GROUPS)]
+
+
+def setting_fields() -> dict[str, type]:
+    """Every setting's field name and type, over all groups: its variable is the name in upper case."""
+    return {f.name: type(f.default) for kind in GROUPS.values() for f in _own(kind)}
 
 
 def _parse(raw: str, kind: type, name: str):

@@ -36,10 +36,10 @@ def on_starting(server) -> None:
     unknown SIM_MODEL or SIM_GPU, or a model too big for the simulated GPUs, is one line too.
     """
     try:
-        if settings.engine == "sim":
-            simulated_engine(settings, announce=False)
+        if settings.engine.engine == "sim":
+            simulated_engine(settings.engine, announce=False)
         else:
-            settings.batch_token_budget(False, resolve_model(settings.model).config().n_positions)
+            settings.engine.batch_token_budget(False, resolve_model(settings.engine.model).config().n_positions)
     except (ModelLoadError, ValueError) as err:  # ValueError: a ProfileError, or MAX_BATCH_TOKENS too small
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -11,7 +11,7 @@ from api.tenants import key_tenant
 from api.validation import ApiError, bad, json_object, known_fields
 from batching.batch_jobs import ENDPOINTS, BatchJobs
 from batching.batch_store import BatchStore
-from config import Settings
+from config import BatchApiSettings
 
 routes = Blueprint("batches", __name__)
 BATCH_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata")
@@ -31,8 +31,8 @@ def _store() -> BatchStore:
     return _jobs().store
 
 
-def _settings() -> Settings:
-    return current_app.extensions["server"].settings
+def _settings() -> BatchApiSettings:
+    return current_app.extensions["server"].settings.batch_api
 
 
 @routes.post("/v1/files")

@@ -18,6 +18,6 @@ def stats():
 def prometheus():
     manager = server().manager
     running, waiting = manager.lora_names()
-    loras = metrics.lora_requests_info(manager.engine.model_name, running, waiting, manager.settings.max_loras)
+    loras = metrics.lora_requests_info(manager.engine.model_name, running, waiting, manager.settings.engine.max_loras)
     body, content_type = metrics.render(manager.live, manager.step_summary(), loras)
     return Response(body, content_type=content_type)

@@ -193,7 +193,7 @@ class BatchingManager:
 
     def _gather_static_batch(self) -> int:
         """Requests for one static batch: up to MAX_BATCH_SIZE inferences (at least one request)."""
-        limit = self.settings.max_batch_size
+        limit = self.settings.engine.max_batch_size
         deadline = self._incoming[0][0].arrival + self.settings.static_batch_wait_s
         while self._num_incoming < limit and time.monotonic() < deadline:
             self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -206,7 +206,7 @@ class BatchingManager:
 
     def _rank_incoming(self) -> None:
         """nobatch and static: the queue in rank order (a stable sort: equal ranks keep arrival order)."""
-        aging = self.settings.priority_aging_s
+        aging = self.settings.engine.priority_aging_s
         rank = lambda request: Rank.of(request[0].priority, request[0].arrival, 0, aging)  # noqa: E731
         self._incoming = deque(sorted(self._incoming, key=rank))
 

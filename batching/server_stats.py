@@ -18,7 +18,7 @@ def server_stats(manager: "BatchingManager") -> dict:
     return {
         "mode": manager.settings.mode,
         "model": manager.engine.model_name,
-        "prefix_cache": manager.settings.prefix_cache,
+        "prefix_cache": manager.settings.engine.prefix_cache,
         "kv_cache_integrity": manager.cache_problem or "ok",
         **live.values(),
         "window": live.window_figures(),

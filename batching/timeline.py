@@ -39,19 +39,20 @@ def timeline(manager: "BatchingManager", since: int = 0, events_since: int = 0) 
 def server_info(manager: "BatchingManager") -> dict:
     """What the page's header shows: what is served, where, and the limits the charts are drawn against."""
     settings, engine = manager.settings, manager.engine
-    if settings.engine == "sim":
-        device = f"simulated {settings.sim_num_gpus} x {settings.sim_gpu}"
+    engine_settings = settings.engine
+    if engine_settings.engine == "sim":
+        device = f"simulated {engine_settings.sim_num_gpus} x {engine_settings.sim_gpu}"
     else:
-        device_type, dtype = device_and_dtype(settings)
+        device_type, dtype = device_and_dtype(engine_settings)
         device = f"{device_type} {str(dtype).removeprefix('torch.')}"
     return {
         "mode": settings.mode,
         "model": engine.model_name,
         "random_weights": engine.is_random,
         "device": device,
-        "max_batch_size": settings.max_batch_size,
+        "max_batch_size": engine_settings.max_batch_size,
         "max_batch_tokens": engine.max_batch_tokens,
-        "block_size": settings.block_size,
-        "prefix_cache": settings.prefix_cache,
+        "block_size": engine_settings.block_size,
+        "prefix_cache": engine_settings.prefix_cache,
         "started_at": manager.started_at,
     }

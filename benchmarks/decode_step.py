@@ -8,7 +8,7 @@ into its stages (schedule, build, forward, sample) from the engine's step record
 host does not wait for the forward pass until sampling reads the tokens back, so there the
 forward stage is the launch time and the wait lands in sample.
 
-Settings come from the environment as for the server (ATTENTION_BACKEND, CUDA_GRAPHS, DEVICE,
+EngineSettings come from the environment as for the server (ATTENTION_BACKEND, CUDA_GRAPHS, DEVICE,
 DTYPE), so the same command measures each backend:
 
     DEVICE=cuda python -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200
@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine, device_and_dtype
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
@@ -84,7 +84,7 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * src.numel() / (time.perf_counter() - start)
 
 
-def make_engine(model: GPT, settings: Settings, batch: int, context: int, steps: int) -> tuple[Engine, int]:
+def make_engine(model: GPT, settings: EngineSettings, batch: int, context: int, steps: int) -> tuple[Engine, int]:
     """An engine whose budget lets the whole batch decode at once, and whose pool holds every sequence to
     its end; with the tokens each sequence generates, so that none ends before the timed steps are done.
 
@@ -152,7 +152,7 @@ def profile_step(engine: Engine, device: torch.device, batch: int) -> str:
 
 def main() -> None:
     args = parse_args()
-    settings = Settings.from_env()
+    settings = EngineSettings.from_env()
     device, dtype = device_and_dtype(settings)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.sweep:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams
@@ -83,7 +83,7 @@ def random_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int) -> t
 def make_engine(model: GPT, name: str, batch: int, context: int) -> Engine:
     """An engine whose pool holds the whole batch at full length, with room for the admission watermark."""
     needed = batch * math.ceil(context / BLOCK_SIZE)
-    settings = Settings(
+    settings = EngineSettings(
         kv_cache_blocks=needed + needed // 50 + 2,
         block_size=BLOCK_SIZE,
         max_batch_size=max(batch, 1),

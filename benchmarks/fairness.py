@@ -18,7 +18,7 @@ import argparse
 import json
 from dataclasses import replace
 
-from config import Settings
+from config import EngineSettings
 from sim.tenant_load import Client, LoadRun, run_load, sim_engine
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     seats, warmup = args.seats, args.duration / 10
 
     def run(fair: bool, clients: list[Client], weights: dict[str, float] | None = None, **kw) -> LoadRun:
-        settings = Settings(
+        settings = EngineSettings(
             engine="sim", sim_model=args.sim_model, sim_gpu=args.sim_gpu, dtype=args.dtype, max_batch_size=seats
         )
         engine = sim_engine(replace(settings, fair_share=fair))
@@ -68,7 +68,7 @@ def _bound(run, fair: bool, seats: int) -> dict:
     longest_prompt, most_tokens = 48, 40
     clients = [Client("a", longest_prompt, most_tokens, 3 * seats, vary=True), Client("b", 24, most_tokens, seats)]
     long_run = run(fair, clients, {"a": 2.0}, warmup=0.0, seed=3)
-    settings = Settings()
+    settings = EngineSettings()
     w_in, w_out = settings.fair_share_input_weight, settings.fair_share_output_weight
     bound = 2 * (w_in * longest_prompt + seats * w_out * most_tokens) / 1.0
     return {"bound_run_steps": len(long_run.service), "service_drift": long_run.drift("a", "b"), "bound": bound}

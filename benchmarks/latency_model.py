@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine, device_and_dtype
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams
@@ -45,7 +45,7 @@ def grid_engine(loaded: LoadedModel, max_prompt: int, max_response: int, max_bat
     """One engine for the whole grid: the largest batch prefills in one step and never runs short of blocks."""
     needed = max_batch * -(-(max_prompt + max_response) // BLOCK_SIZE)
     blocks = needed + needed // 50 + 2  # room for the scheduler's admission watermark
-    settings = Settings(
+    settings = EngineSettings(
         block_size=BLOCK_SIZE,
         kv_cache_blocks=blocks,
         max_batch_size=max_batch,
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--batches", type=_ints, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per point; the median counts")
     args = parser.parse_args()
-    settings = Settings.from_env()  # DEVICE, DTYPE, SEED
+    settings = EngineSettings.from_env()  # DEVICE, DTYPE, SEED
     if args.profile:
         gpu = load_gpu(str(args.profile))
     else:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.sequence import SamplingParams, Sequence
 from model.gpt2 import GPTConfig
@@ -104,7 +104,7 @@ def throughput(engine: Engine, names: list[str | None], max_tokens: int) -> floa
 def main() -> None:
     args = parse_args()
     blocks = 4 * args.batch * -(-(args.context + args.steps + 8) // 16) + 4 * args.requests * 12
-    settings = Settings(
+    settings = EngineSettings(
         model=args.model, max_loras=args.adapters, max_lora_rank=args.rank, kv_cache_blocks=blocks,
         max_batch_size=max(args.batch, args.requests), prefix_cache=False,
     )  # fmt: skip

@@ -45,7 +45,7 @@ from client.memory import PeakMemory
 from client.metrics import RequestResult
 from client.stream import stream_completion
 from client.workloads import CONTEXT, Request, Workload
-from config import Settings
+from config import EngineSettings
 from generate.engine import default_dtype
 from model.gpt2 import PRESETS
 from model.tokenizer import EOT_ID
@@ -116,7 +116,7 @@ def server_env(given: dict[str, str]) -> dict[str, str]:
     """./server.sh's settings: `given`, and a KV pool of KV_TOKENS tokens unless `given` sizes it."""
     if "KV_CACHE_GB" in given or "KV_CACHE_BLOCKS" in given:
         return given
-    block = int(given.get("BLOCK_SIZE", Settings().block_size))
+    block = int(given.get("BLOCK_SIZE", EngineSettings().block_size))
     return {"KV_CACHE_BLOCKS": str(-(-KV_TOKENS // block))} | given
 
 
@@ -193,7 +193,7 @@ def run_cb(load: Workload, hf_dir: Path) -> tuple[list[RequestResult], float, di
     from model.tokenizer import load_tokenizer
 
     with PeakMemory(os.getpid()) as memory:
-        results, duration_s, tokens, used = run_cb_baseline(load, Settings.from_env(model=str(hf_dir)), 0.0)
+        results, duration_s, tokens, used = run_cb_baseline(load, EngineSettings.from_env(model=str(hf_dir)), 0.0)
     tokenizer = load_tokenizer()
     results = [r._replace(text=tokenizer.decode(ids)) for r, ids in zip(results, tokens, strict=True)]
     return results, duration_s, {"command": "client/baseline_cb.py", "settings": used, "memory": memory.peaks_mib()}

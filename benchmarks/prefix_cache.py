@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
@@ -95,7 +95,7 @@ def main() -> None:
         prompts = workload(kind, args.requests, args.seed)
         results = {}
         for cache in (False, True):
-            settings = Settings(kv_cache_gb=args.kv_cache_gb, prefix_cache=cache)
+            settings = EngineSettings(kv_cache_gb=args.kv_cache_gb, prefix_cache=cache)
             num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(torch.float32), 4 * 2**30)
             runner = ModelRunner.from_settings(loaded.model, num_blocks, settings)
             engine = Engine(runner, num_blocks, settings, loaded.name)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from config import Settings
+from config import EngineSettings
 from generate.constraints import Constraint
 from generate.engine import Engine
 from generate.model_runner import ModelRunner
@@ -103,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = args.model if os.path.isdir(args.model) else f"random:{args.model}"
     loaded = load_model(spec, torch.device("cpu"), torch.float32)
-    settings = Settings(kv_cache_gb=args.kv_cache_gb)
+    settings = EngineSettings(kv_cache_gb=args.kv_cache_gb)
     num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(torch.float32), 4 * 2**30)
     engine = Engine(ModelRunner.from_settings(loaded.model, num_blocks, settings), num_blocks, settings, loaded.name)
     rng = random.Random(0)

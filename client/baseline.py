@@ -16,7 +16,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from benchmarks.engine_vs_transformers import to_transformers
 from client.metrics import RequestResult
 from client.workloads import CONTEXT, Request, Workload
-from config import Settings
+from config import EngineSettings
 from generate.engine import device_and_dtype
 from model.loader import load_model
 from model.tokenizer import EOT_ID
@@ -36,7 +36,7 @@ class StepClock(LogitsProcessor):
 
 
 def run_baseline(
-    workload: Workload, settings: Settings, batch_size: int, temperature: float
+    workload: Workload, settings: EngineSettings, batch_size: int, temperature: float
 ) -> tuple[list[RequestResult], float, list[list[int]]]:
     """Every request's result and generated tokens, in order, and the run's wall time; weights and device as the
     server's."""

@@ -19,7 +19,7 @@ from benchmarks.engine_vs_transformers import to_transformers
 from client.baseline import timed_result
 from client.metrics import RequestResult
 from client.workloads import Workload
-from config import Settings
+from config import EngineSettings
 from generate.engine import device_and_dtype
 from model.loader import load_model
 
@@ -41,7 +41,7 @@ def cb_settings(device: torch.device, workload: Workload) -> dict[str, Any]:
 
 
 def run_cb_baseline(
-    workload: Workload, settings: Settings, temperature: float
+    workload: Workload, settings: EngineSettings, temperature: float
 ) -> tuple[list[RequestResult], float, list[list[int]], dict[str, Any]]:
     """Every request's result and generated tokens, in order, the run's wall time and the settings it ran with."""
     device, dtype = device_and_dtype(settings)

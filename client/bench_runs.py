@@ -16,7 +16,7 @@ from client.launch import start_cluster, start_server, stop_server
 from client.metrics import RequestResult, Summary, summarize
 from client.stream import stream_completion
 from client.workloads import Workload
-from config import Settings
+from config import EngineSettings
 from model.loader import resolve_model
 
 
@@ -109,7 +109,7 @@ def measure_baseline(name: str, workload: Workload, args: argparse.Namespace) ->
     """One baseline (BASELINES) on the workload, offline, on the device the servers used."""
     from model.tokenizer import load_tokenizer
 
-    settings = Settings.from_env()
+    settings = EngineSettings.from_env()
     used = None
     # transformers is imported only when a baseline is asked for: the server does not need it
     if name == "transformers-cb":

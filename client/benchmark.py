@@ -20,7 +20,6 @@ import importlib
 import os
 import sys
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +33,10 @@ from client.bench_results import keep_logs, machine, merged, publish, resummariz
 from client.bench_runs import RunSpec, measure, measure_baseline, planned_runs, started  # noqa: E402
 from client.launch import stop_all_on_signal  # noqa: E402
 from client.workloads import build  # noqa: E402
-from config import Settings  # noqa: E402
+from config import setting_fields  # noqa: E402
 
 __all__ = ["main", "parse_args", "planned_runs"]
-SETTING_NAMES = [f.name.upper() for f in fields(Settings)]
+SETTING_NAMES = [name.upper() for name in setting_fields()]
 TRANSFORMERS_INSTALL = "pip install 'transformers>=5.0'"  # what the baselines need (requirements-dev.txt has it)
 
 

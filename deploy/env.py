@@ -26,23 +26,24 @@ def haproxy_path() -> str:
 
 def front_values(settings: Settings) -> dict[str, object]:
     """The front door's settings in HAProxy's terms (deploy/haproxy.cfg's ${CLUSTER_*} variables)."""
-    if settings.tls_cert and not Path(settings.tls_cert).is_file():
-        raise ValueError(f"TLS_CERT: no file {settings.tls_cert!r} (a PEM holding the certificate and its key)")
+    front = settings.front_door
+    if front.tls_cert and not Path(front.tls_cert).is_file():
+        raise ValueError(f"TLS_CERT: no file {front.tls_cert!r} (a PEM holding the certificate and its key)")
     return {
-        "tls_cert": str(Path(settings.tls_cert).resolve()) if settings.tls_cert else "",
-        "read_timeout": f"{round(settings.request_read_timeout_s * 1000)}ms",
-        "queue_timeout": f"{round(settings.queue_timeout_s * 1000)}ms",
+        "tls_cert": str(Path(front.tls_cert).resolve()) if front.tls_cert else "",
+        "read_timeout": f"{round(front.request_read_timeout_s * 1000)}ms",
+        "queue_timeout": f"{round(front.queue_timeout_s * 1000)}ms",
         # the request line and headers must fit a buffer less the room HAProxy keeps for rewriting them
-        "bufsize": settings.max_header_bytes + 1024,
+        "bufsize": front.max_header_bytes + 1024,
         # a replica is sent no more requests at once than its threads less the spares, which stay free for
         # HAProxy's health checks (not counted) whatever holds the others; the rest wait in HAProxy's queue
         "replica_maxconn": settings.server_threads - SPARE_THREADS,
         # per-client limits, where the front door listens beyond this machine
         "limits": "on" if settings.exposed else "off",
-        "limit_connections": settings.limit_connections or NO_LIMIT,
-        "limit_requests": settings.limit_requests or NO_LIMIT,
-        "limit_period": settings.limit_period_s,
-        "limit_by": settings.limit_by,
+        "limit_connections": front.limit_connections or NO_LIMIT,
+        "limit_requests": front.limit_requests or NO_LIMIT,
+        "limit_period": front.limit_period_s,
+        "limit_by": front.limit_by,
     }
 
 
@@ -52,12 +53,14 @@ def main(argv: list[str]) -> None:
         values = {
             "host": settings.host,
             "port": settings.port,
-            "block_size": settings.block_size,
+            "block_size": settings.engine.block_size,
             "timeout": f"{int(settings.request_timeout_s) + MARGIN_S}s",
-            "device": settings.device,
-            "engine": settings.engine,
+            "device": settings.engine.device,
+            "engine": settings.engine.engine,
             "replica": settings.replica,
-            "front": "on" if settings.front == "auto" and (settings.exposed or settings.tls_cert) else "off",
+            "front": "on"
+            if settings.front_door.front == "auto" and (settings.exposed or settings.front_door.tls_cert)
+            else "off",
             "haproxy": haproxy_path(),
             **front_values(settings),
         }

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import llguidance
 
-from config import Settings
+from config import EngineSettings
 from generate.constraints import KIND_NAMES, CompiledConstraint, Constraint, ConstraintError, to_grammar, tokenizer
 
 
@@ -68,7 +68,7 @@ class ConstraintCompiler:
     """Thread-safe; built once per engine, which also builds the vocabulary's tables now rather than in
     the first constrained request."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: EngineSettings) -> None:
         self.timeout_s = settings.constraint_compile_timeout_s
         self.open_objects = settings.structured_open_objects
         self._cache = _Cache(settings.constraint_cache_size)

@@ -7,7 +7,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from config import Settings
+from config import EngineSettings
 from generate import constraints
 from generate.constraint_compiler import ConstraintCompiler
 from generate.fair_share import FairShare
@@ -53,7 +53,7 @@ class StepResult(NamedTuple):
 
 class Engine:
     def __init__(
-        self, runner: Runner, num_blocks: int, settings: Settings, model_name: str = "", is_random: bool = False
+        self, runner: Runner, num_blocks: int, settings: EngineSettings, model_name: str = "", is_random: bool = False
     ):
         self.runner, self.model_name, self.is_random, self.settings = runner, model_name, is_random, settings
         self.max_context = runner.max_context
@@ -79,7 +79,7 @@ class Engine:
         self.grammar = GrammarMasks(constraints.VOCAB_SIZE, runner.on_gpu)  # .stats: structured output's counters
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Engine":
+    def from_settings(cls, settings: EngineSettings) -> "Engine":
         """GPT-2 as MODEL, DEVICE and DTYPE say, over a KV pool sized by KV_CACHE_BLOCKS / KV_CACHE_GB."""
         assert settings.engine == "gpt2", "ENGINE=sim builds its engine with sim.engine.simulated_engine"
         device, dtype = device_and_dtype(settings)
@@ -206,7 +206,7 @@ class Engine:
         return [seq.completion_ids for seq in seqs]
 
 
-def device_and_dtype(settings: Settings) -> tuple[torch.device, torch.dtype]:
+def device_and_dtype(settings: EngineSettings) -> tuple[torch.device, torch.dtype]:
     """DEVICE and DTYPE, or their defaults: cuda if available, else cpu; float16 on cuda; on a cpu bfloat16
     where it computes bfloat16 natively (2-3x float32's speed there), else float32."""
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.sequence import SamplingParams, Sequence, TokenLogprobs
 from model.tokenizer import EOT_ID, encode_prompt, load_tokenizer
@@ -50,10 +50,10 @@ class LLM:
     """One model, its KV cache and scheduler, in this process. `model` is what the server's MODEL setting
     takes: a hub name (`gpt2` … `gpt2-xl`), a checkpoint directory, `random:<name>` (seeded random
     weights, offline), or empty (gpt2-medium, falling back loudly to random weights offline). Other
-    keyword arguments are Settings fields (`dtype`, `device`, `kv_cache_blocks`, `max_batch_tokens`…)."""
+    keyword arguments are EngineSettings fields (`dtype`, `device`, `kv_cache_blocks`, `max_batch_tokens`…)."""
 
     def __init__(self, model: str = "", **settings: object):
-        self.settings = Settings(model=model, **settings)
+        self.settings = EngineSettings(model=model, **settings)
         self.engine = Engine.from_settings(self.settings)
         self.tokenizer = load_tokenizer()
         if self.engine.is_random:

@@ -10,7 +10,7 @@ manager from acceptance to answer): the caller retries once they are done.
 import itertools
 import threading
 
-from config import Settings
+from config import EngineSettings
 from model.gpt2 import GPTConfig
 from model.lora import LoraAdapter, LoraError, read_adapter
 
@@ -24,7 +24,7 @@ class LoraInUse(Exception):
 
 
 class LoraRegistry:
-    def __init__(self, config: GPTConfig | None, settings: Settings):
+    def __init__(self, config: GPTConfig | None, settings: EngineSettings):
         self.config = config  # None: the engine simulates its steps and serves no adapters
         self.max_rank, self.max_held = settings.max_lora_rank, settings.max_cpu_loras
         self._adapters: dict[str, LoraAdapter] = {}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from config import Settings
+from config import EngineSettings
 from generate.grammar_mask import StepMasks
 from generate.sampler import Sampler
 from generate.sequence import Sequence
@@ -92,7 +92,7 @@ class ModelRunner:
         log.info("Triton kernel: chunk and decode variants compiled in %.1f s", time.perf_counter() - start)
 
     @classmethod
-    def from_settings(cls, model: GPT, num_blocks: int, settings: Settings) -> "ModelRunner":
+    def from_settings(cls, model: GPT, num_blocks: int, settings: EngineSettings) -> "ModelRunner":
         """ATTENTION_BACKEND auto: the Triton kernel on CUDA when triton is installed, else the reference.
         CUDA_GRAPHS auto: decode steps from graphs whenever the kernel runs on CUDA."""
         device = model.wte.weight.device

@@ -4,14 +4,14 @@ import os
 
 import torch
 
-from config import Settings
+from config import EngineSettings
 
 CPU_BUDGET_BYTES = 4 * 2**30  # vLLM's CPU backend reserves 4 GB by default too
 CPU_MEMORY_SHARE = 0.5  # of the memory available at start: the weights, the server and the OS need the rest
 GPU_MEMORY_SHARE = 0.9  # of the GPU's free memory, after the weights are loaded
 
 
-def pool_blocks(settings: Settings, kv_bytes_per_token: int, default_budget_bytes: float) -> int:
+def pool_blocks(settings: EngineSettings, kv_bytes_per_token: int, default_budget_bytes: float) -> int:
     """KV_CACHE_BLOCKS, else KV_CACHE_GB, else the device's default budget, in blocks of BLOCK_SIZE tokens."""
     if settings.kv_cache_blocks:
         return settings.kv_cache_blocks

@@ -2,7 +2,7 @@
 
 import logging
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from sim.memory import sim_kv_blocks
 from sim.runner import SimRunner
@@ -10,7 +10,7 @@ from sim.runner import SimRunner
 log = logging.getLogger(__name__)
 
 
-def simulated_engine(settings: Settings, announce: bool = True) -> Engine:
+def simulated_engine(settings: EngineSettings, announce: bool = True) -> Engine:
     runner = SimRunner.from_settings(settings)
     num_blocks = sim_kv_blocks(settings, runner.gpu, runner.model, runner.num_gpus)
     if announce:

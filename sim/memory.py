@@ -2,14 +2,14 @@
 
 import math
 
-from config import Settings
+from config import EngineSettings
 from kvcache.pool_size import pool_blocks
 from sim.profiles import GpuProfile, ModelProfile, ProfileError
 
 MEMORY_FRACTION = 0.9  # of device memory for weights + KV cache; the rest is activations and the runtime
 
 
-def sim_kv_blocks(settings: Settings, gpu: GpuProfile, model: ModelProfile, num_gpus: int) -> int:
+def sim_kv_blocks(settings: EngineSettings, gpu: GpuProfile, model: ModelProfile, num_gpus: int) -> int:
     """Blocks of the simulated pool: KV_CACHE_BLOCKS, else KV_CACHE_GB, else 90% of memory minus the weights.
 
     No KV tensor exists; the number only bounds the block manager, so memory pressure,

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine, device_and_dtype
 from generate.grammar_mask import StepMasks
 from generate.model_runner import ModelRunner
@@ -161,7 +161,13 @@ def prompt_tokens_per_s(prefill: list[Step]) -> float:
 
 
 def profile(
-    spec: str, name: str, settings: Settings, lengths: list[int], batches: list[int], contexts: list[int], repeats: int
+    spec: str,
+    name: str,
+    settings: EngineSettings,
+    lengths: list[int],
+    batches: list[int],
+    contexts: list[int],
+    repeats: int,
 ) -> tuple[GpuProfile, dict]:
     """Measure the engine serving `spec` (DEVICE, DTYPE from `settings`); the fitted profile and the measurements."""
     device, dtype = device_and_dtype(settings)
@@ -172,7 +178,7 @@ def profile(
     longest = max(contexts) + repeats + 3
     needed = max(batches) * -(-longest // BLOCK_SIZE)
     blocks = needed + needed // 50 + 2  # room for the scheduler's admission watermark
-    engine_settings = Settings(
+    engine_settings = EngineSettings(
         block_size=BLOCK_SIZE,
         kv_cache_blocks=blocks,
         max_batch_size=max(batches),
@@ -224,7 +230,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=_ints, default=CONTEXTS)
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs of each point; the median counts")
     args = parser.parse_args()
-    settings = Settings.from_env()  # DEVICE, DTYPE, SEED
+    settings = EngineSettings.from_env()  # DEVICE, DTYPE, SEED
     grid = (args.prefill_lengths, args.batch_sizes, args.contexts, args.repeats)
     gpu, measured = profile(args.model, args.name or args.out.stem, settings, *grid)
     write_gpu_profile(args.out, gpu, measured)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from config import Settings
+from config import EngineSettings
 from generate.grammar_mask import StepMasks
 from generate.sequence import Sequence, TokenLogprobs
 from generate.step_log import StageClock
@@ -41,7 +41,7 @@ class SimRunner:
         self.simulated_s = 0.0  # total step time slept so far
 
     @classmethod
-    def from_settings(cls, settings: Settings, sleep: Callable[[float], None] = time.sleep) -> "SimRunner":
+    def from_settings(cls, settings: EngineSettings, sleep: Callable[[float], None] = time.sleep) -> "SimRunner":
         model = load_model(settings.sim_model, settings.dtype)
         return cls(load_gpu(settings.sim_gpu), model, settings.sim_num_gpus, sleep)
 

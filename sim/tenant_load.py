@@ -9,7 +9,7 @@ or sends one every `interval_s` simulated seconds (open loop: an interactive use
 import random
 from dataclasses import dataclass, field
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.sequence import SamplingParams, Sequence, Status
 from sim.memory import sim_kv_blocks
@@ -68,7 +68,7 @@ class LoadRun:
         return worst
 
 
-def sim_engine(settings: Settings) -> Engine:
+def sim_engine(settings: EngineSettings) -> Engine:
     """The engine ENGINE=sim serves with, its runner's sleeps skipped (the clock is runner.simulated_s)."""
     runner = SimRunner.from_settings(settings, sleep=lambda _s: None)
     return Engine(runner, sim_kv_blocks(settings, runner.gpu, runner.model, runner.num_gpus), settings, runner.name)

@@ -140,7 +140,7 @@ def make_app(tiny_checkpoint):
 
     def make(**settings):
         settings.setdefault("kv_cache_blocks", 256)
-        app = create_app(Settings(model=str(tiny_checkpoint), **settings))
+        app = create_app(Settings.of(model=str(tiny_checkpoint), **settings))
         return app, app.extensions["server"].manager
 
     return make

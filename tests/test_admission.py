@@ -15,7 +15,7 @@ TENANT_REASONS = {"tenant_max_waiting": 0, "tenant_max_running": 0}  # none conf
 
 
 def admission(**settings) -> Admission:
-    return Admission(Settings(**settings))
+    return Admission(Settings.of(**settings))
 
 
 def test_queue_full_then_waiting_tokens_are_refused_with_503_and_counted():

@@ -25,7 +25,7 @@ def url(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def post_endpoints(tiny_checkpoint) -> list[str]:
     """Every POST route the app has, so a new endpoint is covered without editing this file."""
-    app = create_app(Settings(model=str(tiny_checkpoint), kv_cache_blocks=16))
+    app = create_app(Settings.of(model=str(tiny_checkpoint), kv_cache_blocks=16))
     posts = [rule.rule for rule in app.url_map.iter_rules() if "POST" in rule.methods]
     paths = sorted(path for path in posts if not non_json_post(path))  # an upload (multipart) and a cancel
     app.extensions["server"].manager.shut_down(0)

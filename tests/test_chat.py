@@ -145,7 +145,7 @@ def test_the_reply_ends_at_the_templates_next_turn_marker(tiny_checkpoint, tmp_p
         'system = "{content}\\n"\nuser = "Q: {content}\\n"\nassistant = "A: {content}\\n"\n'
         f'reply = "A:"\nstop = [{json.dumps(marker)}]\n'
     )
-    app = create_app(Settings(model=str(tiny_checkpoint), kv_cache_blocks=256, chat_template=str(template)))
+    app = create_app(Settings.of(model=str(tiny_checkpoint), kv_cache_blocks=256, chat_template=str(template)))
     body = {
         "messages": [{"role": "user", "content": "what now"}],
         "max_tokens": 20,

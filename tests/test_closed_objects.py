@@ -10,13 +10,13 @@ import pytest
 
 from api.protocol import ChatBody, parse
 from api.tool_calls import call_schema
-from config import Settings
+from config import EngineSettings
 from generate.closed_objects import close_objects
 from generate.constraint_compiler import ConstraintCompiler
 from generate.constraints import Constraint, ConstraintError
 from model.tokenizer import load_tokenizer
 
-compile_constraint = ConstraintCompiler(Settings()).compile  # an engine's, without the engine
+compile_constraint = ConstraintCompiler(EngineSettings()).compile  # an engine's, without the engine
 
 TOKENIZER = load_tokenizer()
 
@@ -48,7 +48,7 @@ def schema(s: dict) -> Constraint:
 @pytest.fixture
 def open_objects(monkeypatch):
     monkeypatch.setitem(
-        globals(), "compile_constraint", ConstraintCompiler(Settings(structured_open_objects=True)).compile
+        globals(), "compile_constraint", ConstraintCompiler(EngineSettings(structured_open_objects=True)).compile
     )
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from config import Settings
+from config import EngineSettings
 from model.cpu_linear import OneDNNLinear, onednn_available, use_onednn, wanted
 from model.gpt2 import GPT, GPTConfig
 
@@ -17,7 +17,7 @@ def test_auto_means_onednn_in_float32_on_a_cpu_only():
     assert not wanted("onednn", torch.device("cuda"), torch.float32)
     assert wanted("onednn", CPU, torch.bfloat16) is onednn_available()
     with pytest.raises(ValueError, match="CPU_LINEAR"):
-        Settings(cpu_linear="mkl")
+        EngineSettings(cpu_linear="mkl")
 
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN linear op")

@@ -7,7 +7,7 @@ from conftest import random_prompts
 from test_model import make_engine, run_checked
 from test_priority import greedy
 
-from config import Settings
+from config import EngineSettings
 from generate.fair_share import FairShare
 from generate.sequence import SamplingParams, Sequence
 from sim.tenant_load import Client, run_load, sim_engine
@@ -17,7 +17,7 @@ SEATS = 8
 
 def engine(fair: bool = True, weights: dict[str, float] | None = None, **settings):
     base = dict(engine="sim", sim_model="gpt2", sim_gpu="profiles/cpu.toml", dtype="float32", max_batch_size=SEATS)
-    eng = sim_engine(Settings(fair_share=fair, **base, **settings))
+    eng = sim_engine(EngineSettings(fair_share=fair, **base, **settings))
     eng.scheduler.fair.weights.update(weights or {})
     return eng
 

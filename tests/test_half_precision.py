@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.sequence import SamplingParams
 
@@ -54,7 +54,9 @@ def partings(engine: Engine, hf_model, hf_greedy, prompts: list[list[int]], dtyp
 
 
 def half_engine(tiny_checkpoint, dtype: str) -> Engine:
-    settings = Settings(model=str(tiny_checkpoint), dtype=dtype, block_size=4, kv_cache_blocks=512, max_batch_tokens=24)
+    settings = EngineSettings(
+        model=str(tiny_checkpoint), dtype=dtype, block_size=4, kv_cache_blocks=512, max_batch_tokens=24
+    )
     return Engine.from_settings(settings)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from benchmarks.latency_model import summary, validate
-from config import Settings
+from config import EngineSettings
 from model.gpt2 import PRESETS
 from model.loader import load_model
 from sim.cost import step_cost
@@ -57,7 +57,7 @@ def one_thread():
 
 def test_profile_then_predict_the_real_engine_on_this_cpu(tmp_path, one_thread):
     """A small grid, generous bounds: docs/simulated-engine.md has the full grid and its figures."""
-    settings = Settings(device="cpu", dtype="float32")
+    settings = EngineSettings(device="cpu", dtype="float32")
     gpu, measured = profile("random:gpt2", "ci-cpu", settings, [16, 64, 256], [1, 4], [64, 256], repeats=2)
     assert measured["model"] == "random:gpt2" and measured["bytes_per_param"] == 4
     assert measured["prompt_tokens_per_s"] > 0 and len(measured["decode"]) == 4

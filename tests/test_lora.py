@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import random_prompts, save_lora
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.lora_registry import LoraInUse, LoraNotFound
 from generate.model_runner import ModelRunner
@@ -20,7 +20,7 @@ ADAPTERS = [None, "alpha", "beta", "gamma"]  # None: the base model
 def lora_engine(checkpoint, adapters: dict, num_blocks: int = 256, block_size: int = 4, **settings) -> Engine:
     """A float32 CPU engine with `adapters` (name -> directory) loaded as LORA_MODULES would."""
     modules = ",".join(f"{name}={path}" for name, path in adapters.items())
-    settings = Settings(block_size=block_size, lora_modules=modules, **settings)
+    settings = EngineSettings(block_size=block_size, lora_modules=modules, **settings)
     loaded = load_model(str(checkpoint), torch.device("cpu"), torch.float32)
     max_batch = settings.max_running(False, loaded.model.config.n_positions)
     runner = ModelRunner(loaded.model, num_blocks, block_size, max_batch_size=max_batch, max_loras=settings.max_loras)

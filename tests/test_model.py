@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
@@ -25,7 +25,7 @@ def make_engine(checkpoint, num_blocks=256, block_size=4, attention="reference",
     capture."""
     device = torch.device("cuda") if attention == "triton" and torch.cuda.is_available() else CPU
     loaded = load_model(str(checkpoint), device, torch.float32)
-    settings = Settings(block_size=block_size, **settings)
+    settings = EngineSettings(block_size=block_size, **settings)
     max_batch = settings.max_running(device.type == "cuda", loaded.model.config.n_positions)
     runner = ModelRunner(loaded.model, num_blocks, block_size, attention, graphs, max_batch)
     return Engine(runner, num_blocks, settings, loaded.name)

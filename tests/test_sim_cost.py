@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from config import Settings
+from config import EngineSettings
 from model.gpt2 import GPT, PRESETS
 from sim.cost import attention_pairs, step_cost
 from sim.memory import sim_kv_blocks
@@ -132,21 +132,21 @@ def test_opt_125m_is_a_quarter_gigabyte_not_250_gigabytes():
 
 
 def test_kv_pool_is_memory_minus_weights():
-    settings = Settings(block_size=16)
+    settings = EngineSettings(block_size=16)
     free = 0.9 * 2**30 - 2 * 2376  # 90% of 1 GiB, less the weights
     assert sim_kv_blocks(settings, TINY_GPU, TINY_MODEL, 1) == int(free // (64 * 16))
     free_two = 0.9 * 2 * 2**30 - 2 * 2376
     assert sim_kv_blocks(settings, TINY_GPU, TINY_MODEL, 2) == int(free_two // (64 * 16))
-    assert sim_kv_blocks(Settings(block_size=16, kv_cache_blocks=7), TINY_GPU, TINY_MODEL, 1) == 7
-    assert sim_kv_blocks(Settings(block_size=16, kv_cache_gb=1.0), TINY_GPU, TINY_MODEL, 1) == 2**30 // 1024
+    assert sim_kv_blocks(EngineSettings(block_size=16, kv_cache_blocks=7), TINY_GPU, TINY_MODEL, 1) == 7
+    assert sim_kv_blocks(EngineSettings(block_size=16, kv_cache_gb=1.0), TINY_GPU, TINY_MODEL, 1) == 2**30 // 1024
 
 
 def test_llama_65b_needs_two_a100s():
     gpu, model = load_gpu("a100-80gb"), load_model("llama-65b")
     with pytest.raises(ProfileError, match="does not fit.*SIM_NUM_GPUS to at least 2"):
-        sim_kv_blocks(Settings(), gpu, model, 1)
+        sim_kv_blocks(EngineSettings(), gpu, model, 1)
     # 2 x 80 GiB x 90%, less 65.29e9 fp16 weights, in blocks of 16 tokens x 2 (K, V) x 80 layers x 8192 x 2 bytes
-    blocks = sim_kv_blocks(Settings(block_size=16), gpu, model, 2)
+    blocks = sim_kv_blocks(EngineSettings(block_size=16), gpu, model, 2)
     assert blocks == int((0.9 * 2 * 80 * 2**30 - model.weight_bytes) // (16 * 2 * 80 * 8192 * 2))
     assert 500 < blocks < 650  # ~9,000 tokens of cache: memory pressure comes early
 
@@ -154,7 +154,7 @@ def test_llama_65b_needs_two_a100s():
 def test_a_pool_smaller_than_one_context_is_an_error():
     cramped = GpuProfile("cramped", 1e6, 1e4, (2 * 2376 + 1000) / 0.9 / 2**30, 0.5, 0.5, 0.01)
     with pytest.raises(ProfileError, match="less than one 64-token context"):
-        sim_kv_blocks(Settings(block_size=16), cramped, TINY_MODEL, 1)
+        sim_kv_blocks(EngineSettings(block_size=16), cramped, TINY_MODEL, 1)
 
 
 def test_profile_files_round_trip_and_bad_ones_are_named(tmp_path):
@@ -183,4 +183,4 @@ def test_profile_files_round_trip_and_bad_ones_are_named(tmp_path):
 )
 def test_bad_sim_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
-        Settings(**settings)
+        EngineSettings(**settings)

@@ -3,7 +3,7 @@
 import pytest
 from test_sim_cost import TINY_GPU, TINY_MODEL
 
-from config import Settings
+from config import EngineSettings
 from generate.engine import Engine
 from generate.sequence import SamplingParams, Sequence
 from model.tokenizer import EOT_ID
@@ -33,7 +33,7 @@ def tiny_step_s(seqs: list[tuple[int, int]]) -> float:
 def sim_engine(num_blocks: int = 256, block_size: int = 4, **settings) -> tuple[Engine, FakeSleep]:
     sleep = FakeSleep()
     runner = SimRunner(TINY_GPU, TINY_MODEL, sleep=sleep)
-    return Engine(runner, num_blocks, Settings(block_size=block_size, **settings), runner.name), sleep
+    return Engine(runner, num_blocks, EngineSettings(block_size=block_size, **settings), runner.name), sleep
 
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -113,20 +113,20 @@ def test_memory_pressure_preempts_yet_every_request_completes():
 
 
 def test_from_settings_sizes_the_pool_and_names_the_simulation():
-    engine = simulated_engine(Settings(engine="sim", sim_model="llama-65b", sim_gpu="a100-80gb", sim_num_gpus=2))
+    engine = simulated_engine(EngineSettings(engine="sim", sim_model="llama-65b", sim_gpu="a100-80gb", sim_num_gpus=2))
     assert engine.model_name == "sim:llama-65b@2xa100-80gb"
     assert engine.max_context == 2048
     assert 500 < engine.blocks.num_blocks < 650
     assert engine.check_fits(2000, 48) is None
     assert "2048-token context" in engine.check_fits(2000, 49)
-    assert simulated_engine(Settings(engine="sim", sim_model="gpt2", sim_gpu="h100-sxm")).model_name == (
+    assert simulated_engine(EngineSettings(engine="sim", sim_model="gpt2", sim_gpu="h100-sxm")).model_name == (
         "sim:gpt2@h100-sxm"
     )
 
 
 def test_dtype_sets_the_simulated_precision():
-    half = simulated_engine(Settings(engine="sim", sim_model="gpt2", sim_gpu="a5000"))
-    full = simulated_engine(Settings(engine="sim", sim_model="gpt2", sim_gpu="a5000", dtype="float32"))
+    half = simulated_engine(EngineSettings(engine="sim", sim_model="gpt2", sim_gpu="a5000"))
+    full = simulated_engine(EngineSettings(engine="sim", sim_model="gpt2", sim_gpu="a5000", dtype="float32"))
     assert (half.runner.model.bytes_per_param, full.runner.model.bytes_per_param) == (2, 4)
     # 24 GiB x 90% less the weights, over the KV bytes of a 16-token block
     assert half.blocks.num_blocks == int((0.9 * 24 * 2**30 - 124_439_808 * 2) // (16 * 2 * 12 * 768 * 2))
@@ -135,7 +135,9 @@ def test_dtype_sets_the_simulated_precision():
 
 def test_from_settings_refuses_what_cannot_run():
     with pytest.raises(ProfileError, match="does not fit"):
-        simulated_engine(Settings(engine="sim", sim_model="llama-65b", sim_gpu="a100-80gb"))
+        simulated_engine(EngineSettings(engine="sim", sim_model="llama-65b", sim_gpu="a100-80gb"))
     unchunked = r"MAX_BATCH_TOKENS \(1024\) must cover one full context \(2048 tokens\) when CHUNKED_PREFILL is off"
     with pytest.raises(ValueError, match=unchunked):
-        simulated_engine(Settings(engine="sim", sim_model="llama-7b", max_batch_tokens=1024, chunked_prefill=False))
+        simulated_engine(
+            EngineSettings(engine="sim", sim_model="llama-7b", max_batch_tokens=1024, chunked_prefill=False)
+        )

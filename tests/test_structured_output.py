@@ -16,13 +16,13 @@ from conftest import random_prompts
 from test_model import make_engine, run_checked
 
 from batching.text_stream import TextStream
-from config import Settings
+from config import EngineSettings
 from generate.constraint_compiler import ConstraintCompiler
 from generate.constraints import Constraint, ConstraintError
 from generate.sequence import SamplingParams, Sequence
 from model.tokenizer import EOT_ID, load_tokenizer
 
-COMPILER = ConstraintCompiler(Settings())  # an engine's, without the engine
+COMPILER = ConstraintCompiler(EngineSettings())  # an engine's, without the engine
 compile_constraint, compile_stats = COMPILER.compile, COMPILER.stats
 
 TOKENIZER = load_tokenizer()
@@ -304,7 +304,7 @@ def test_a_compile_over_the_time_limit_is_refused_and_not_cached(monkeypatch):
             compile_constraint(constraint)
     finally:
         release.set()
-        monkeypatch.setattr(COMPILER, "timeout_s", Settings().constraint_compile_timeout_s)
+        monkeypatch.setattr(COMPILER, "timeout_s", EngineSettings().constraint_compile_timeout_s)
     after = compile_stats()
     assert after.failures == before.failures + 1 and after.compiles == before.compiles
     assert compile_constraint(constraint).constraint == constraint  # not cached as failed: compiles now
@@ -338,7 +338,7 @@ def test_bad_constraints_are_refused(constraint, words):
 def test_the_simulated_engine_keeps_to_constraints_too():
     from sim.engine import simulated_engine
 
-    engine = simulated_engine(Settings(engine="sim", sim_model="gpt2", sim_gpu="h100-sxm"), announce=False)
+    engine = simulated_engine(EngineSettings(engine="sim", sim_model="gpt2", sim_gpu="h100-sxm"), announce=False)
     groups = {
         name: constrained_group(prompt, constraint, n=2, seed=k)
         for k, ((name, (constraint, _)), prompt) in enumerate(zip(CASES.items(), random_prompts([6] * 5, seed=15)))

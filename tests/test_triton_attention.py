@@ -108,13 +108,13 @@ def test_greedy_output_through_the_kernel_equals_transformers(tiny_checkpoint, h
 
 
 def test_backend_and_graphs_follow_the_settings_and_the_device():
-    from config import Settings
+    from config import EngineSettings
     from generate.model_runner import ModelRunner
     from model.gpt2 import GPT, GPTConfig
 
     def runner(n_embd: int, **settings) -> ModelRunner:
         model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=n_embd, n_positions=64, vocab_size=100))
-        return ModelRunner.from_settings(model, 8, Settings(block_size=4, **settings))
+        return ModelRunner.from_settings(model, 8, EngineSettings(block_size=4, **settings))
 
     on_cpu = runner(32)
     assert on_cpu.attention == "reference" and on_cpu.graphs is None  # auto: the kernel is for CUDA
