@@ -1,5 +1,8 @@
 """A request's one output constraint: which field asked for it, as the grammar engine takes it, compiled.
 
+CONSTRAINT_FIELDS names the body fields that ask for one: api/sampling.py comes here only when a
+request sets one of them (or the endpoint asks, as chat's response_format and tools do).
+
 The fields are vLLM's `guided_*` (both endpoints) and, on chat, OpenAI's `response_format` and
 forced tool calls (api/tool_calls.py). Compiling happens here, on the request's thread, before
 the request is admitted: a constraint the engine refuses is a 400 naming the field, and the
@@ -10,10 +13,20 @@ import json
 import re
 from typing import NamedTuple
 
+from api.errors import bad
 from api.protocol import SamplingRequest
-from api.validation import bad
 from generate.constraints import CompiledConstraint, Constraint, ConstraintError, compile_constraint
 
+CONSTRAINT_FIELDS = frozenset(
+    {
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_whitespace_pattern",
+        "structured_outputs",
+    }
+)
 # GBNF / xgrammar's EBNF defines rules with "::="; Lark (vLLM's tests, llguidance) with ":".
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
 
@@ -73,6 +86,12 @@ def grammar_kind(grammar: str) -> str:
 
 def json_schema(schema: dict, whitespace: str | None = None) -> Constraint:
     return Constraint("json_schema", json.dumps(schema), whitespace)
+
+
+def constraint(body: SamplingRequest, more: list[Asked]) -> CompiledConstraint | None:
+    """The one constraint the body's guided_* or structured_outputs fields, or the endpoint's `more`, ask for,
+    compiled; more than one is a 400 naming the second."""
+    return compiled(one_constraint(guided(body) + more))
 
 
 def one_constraint(asked: list[Asked]) -> Asked | None:
