@@ -82,14 +82,7 @@ def to_generation(
     extras = body if isinstance(body, SamplingRequest) else NO_EXTRAS
     if body.top_k > vocab:
         raise bad(f"'top_k' must be between -1 and {vocab}, got {body.top_k}", "top_k")
-    if extras.min_tokens > engine.max_context:
-        raise bad(f"'min_tokens' must be at most {engine.max_context}, got {extras.min_tokens}", "min_tokens")
-    if extras.stream_options is not None and not extras.stream:
-        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
-    if max_tokens > engine.max_context:
-        raise bad(f"'{max_tokens_field}' must be at most {engine.max_context}, got {max_tokens}", max_tokens_field)
-    if extras.min_tokens > max_tokens:
-        raise bad(f"'min_tokens' ({extras.min_tokens}) must not exceed the maximum tokens ({max_tokens})", "min_tokens")
+    _check_lengths(extras, max_tokens, max_tokens_field, engine.max_context)
     prompts = _prompts(prompt, served.tokenizer)
     for i, ids in enumerate(prompts):
         problem = engine.check_fits(len(ids), max_tokens)
@@ -119,6 +112,17 @@ def to_generation(
         served, prompts, params, extras.n, request_stop + stop, body.priority, tenant, lora, model, extras.stream,
         include_usage, extras.return_token_ids,
     )  # fmt: skip
+
+
+def _check_lengths(extras: SamplingRequest, max_tokens: int, field: str, context: int) -> None:
+    if extras.min_tokens > context:
+        raise bad(f"'min_tokens' must be at most {context}, got {extras.min_tokens}", "min_tokens")
+    if extras.stream_options is not None and not extras.stream:
+        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if max_tokens > context:
+        raise bad(f"'{field}' must be at most {context}, got {max_tokens}", field)
+    if extras.min_tokens > max_tokens:
+        raise bad(f"'min_tokens' ({extras.min_tokens}) must not exceed the maximum tokens ({max_tokens})", "min_tokens")
 
 
 def check_model(model: str | None, served: Server) -> LoraAdapter | None:
