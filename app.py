@@ -8,10 +8,10 @@ from werkzeug.exceptions import HTTPException
 
 from api import batches, chat, dashboard, lora, openai, simple, stats, tenants, tokenize
 from api.chat_template import ChatTemplate
+from api.errors import ApiError
 from api.json_body import StrictJSONProvider, require_json
-from api.priority import PRIORITY_LIMIT
-from api.serving import Server
-from api.validation import ApiError
+from api.protocol import PRIORITY_LIMIT
+from api.sampling import Server
 from batching.batch_jobs import BatchJobs
 from batching.batch_store import BatchStore
 from batching.manager import BatchingManager

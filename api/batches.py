@@ -7,15 +7,14 @@ BATCH_MAX_REQUESTS lines per file.
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
+from api.errors import ApiError, bad
+from api.protocol import BatchBody, parse
 from api.tenants import key_tenant
-from api.validation import ApiError, bad, json_object, known_fields
-from batching.batch_jobs import ENDPOINTS, BatchJobs
+from batching.batch_jobs import BatchJobs
 from batching.batch_store import BatchStore
 from config import BatchApiSettings
 
 routes = Blueprint("batches", __name__)
-BATCH_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata")
-MAX_METADATA = 16  # keys, as OpenAI
 
 
 def non_json_post(path: str) -> bool:
@@ -75,24 +74,12 @@ def file_content(file_id: str):
 
 @routes.post("/v1/batches")
 def create_batch():
-    body = json_object(request.get_json(silent=True))
-    known_fields(body, BATCH_FIELDS, "/v1/batches")
-    if body.get("endpoint") not in ENDPOINTS:
-        raise bad(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", "endpoint")
-    if body.get("completion_window") != "24h":
-        raise bad("'completion_window' must be '24h'", "completion_window")
-    metadata = body.get("metadata")
-    if metadata is not None and not (
-        isinstance(metadata, dict)
-        and len(metadata) <= MAX_METADATA
-        and all(isinstance(v, str) for v in metadata.values())
-    ):
-        raise bad(f"'metadata' must be an object of at most {MAX_METADATA} string values", "metadata")
-    file_id = body.get("input_file_id")
-    meta = _store().file(file_id) if isinstance(file_id, str) else None
+    body = parse(BatchBody, request.get_json(silent=True), "/v1/batches")
+    meta = _store().file(body.input_file_id)
     if meta is None or meta["purpose"] != "batch":
-        raise bad(f"'input_file_id' must name an uploaded file of purpose 'batch', got {file_id!r}", "input_file_id")
-    return jsonify(_jobs().create(file_id, body["endpoint"], metadata, key_tenant() or ""))
+        message = f"'input_file_id' must name an uploaded file of purpose 'batch', got {body.input_file_id!r}"
+        raise bad(message, "input_file_id")
+    return jsonify(_jobs().create(body.input_file_id, body.endpoint, body.metadata, key_tenant() or ""))
 
 
 @routes.get("/v1/batches")

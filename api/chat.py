@@ -14,57 +14,47 @@ import uuid
 from typing import Any, NamedTuple
 
 from flask import Blueprint, Response, jsonify, request
-from pydantic import TypeAdapter, ValidationError
 
+from api.chat_protocol import AssistantMessage, ChatBody, Content, JsonSchemaFormat, Message, ToolMessage
 from api.chat_template import ChatTemplate
-from api.generation import NewTokens, Request, sse, start, text_token_count, token_text, usage, wait_all
-from api.openai_params import SharedFields, check_min_tokens, model_name, shared_fields
-from api.protocol import AssistantMessage, ChatBody, Content, JsonSchemaFormat, Message, ToolMessage, parse
-from api.serving import Server, check_fits, server
-from api.structured import Asked, compiled, guided, json_schema, one_constraint
+from api.errors import bad
+from api.protocol import parse
+from api.sampling import Generation, Server, server, to_generation
+from api.structured import Asked, json_schema
+from api.submission import NewTokens, Submitted, run, sse, submit, text_token_count, token_text
 from api.tool_calls import Calls, StreamedReply, call_json, call_schema, new_call_id, split_reply
-from api.validation import bad
 from batching.inference import Delta, Inference
 from generate.constraints import Constraint
-from generate.sequence import SamplingParams
 
 routes = Blueprint("chat", __name__)
 
 
 class ChatRequest(NamedTuple):
-    prompt: list[int]
-    params: SamplingParams
-    shared: SharedFields
-    stop: tuple[str, ...]  # the request's and the template's
+    generation: Generation  # its stop strings: the request's and the template's
+    logprobs: int | None  # top log-probabilities of each token, when asked
     tool_choice: str  # "none", "auto", "required", or "function": the reply must call `function`
     function: str | None  # the function named by tool_choice
     calls: Calls  # how the reply writes its calls (opener None: the reply is calls, forced)
 
 
-def parse_chat(raw: Any, srv: Server) -> ChatRequest:
+def parse_chat(raw: Any) -> ChatRequest:
     body = parse(ChatBody, raw, "/v1/chat/completions")
-    shared = shared_fields(body, srv)
+    served = server()
+    template = served.chat_template
     choice, function = _tool_choice(body)
-    text = render(body.messages, srv.chat_template, body if choice != "none" else None)
+    text = render(body.messages, template, body if choice != "none" else None)
     if choice in ("required", "function"):
-        text += srv.chat_template.forced_call_prefix
-    prompt = srv.tokenizer.encode(text, disallowed_special=())
+        text += template.forced_call_prefix
+    prompt = served.tokenizer.encode(text, disallowed_special=())
     if body.top_logprobs is not None and not body.logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    max_tokens, param = _max_tokens(body, srv, len(prompt))
-    check_min_tokens(shared.min_tokens, max_tokens)
-    check_fits(srv, len(prompt), max_tokens, param)
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        min_tokens=shared.min_tokens,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        constraint=compiled(
-            one_constraint(guided(body) + _chat_constraints(body, choice, function, srv.chat_template))
-        ),
-        **shared.sampling,
+    max_tokens, param = _max_tokens(body, served, len(prompt))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    constraints = _chat_constraints(body, choice, function, template)
+    generation = to_generation(
+        body, prompt, max_tokens, param, logprobs=logprobs, constraints=constraints, stop=template.stop, served=served
     )
-    stop = shared.stop + srv.chat_template.stop
-    return ChatRequest(prompt, params, shared, stop, choice, function, _calls(body, choice, srv.chat_template))
+    return ChatRequest(generation, logprobs, choice, function, _calls(body, choice, template))
 
 
 def _parallel(body: ChatBody, choice: str) -> bool:
@@ -116,32 +106,14 @@ def _chat_constraints(body: ChatBody, choice: str, function: str | None, templat
     return asked
 
 
-def _max_tokens(body: ChatBody, srv: Server, num_prompt_tokens: int) -> tuple[int, str]:
-    """max_completion_tokens (OpenAI's current name) or max_tokens; by default, as much as fits."""
+def _max_tokens(body: ChatBody, served: Server, num_prompt_tokens: int) -> tuple[int, str]:
+    """max_completion_tokens (OpenAI's current name) or max_tokens, and which; by default, as much as fits."""
     given = [name for name in ("max_completion_tokens", "max_tokens") if getattr(body, name) is not None]
     if len(given) == 2 and body.max_tokens != body.max_completion_tokens:
         raise bad("give 'max_completion_tokens' or 'max_tokens', not both", "max_tokens")
     if not given:
-        return max(1, srv.engine.max_sequence_tokens - num_prompt_tokens), "messages"
-    value = getattr(body, given[0])
-    if value > srv.engine.max_context:
-        raise bad(f"'{given[0]}' must be at most {srv.engine.max_context}, got {value}", given[0])
-    return value, given[0]
-
-
-_MESSAGES = TypeAdapter(list[Message])
-
-
-def parse_messages(raw: Any, template: ChatTemplate) -> str:
-    """A `messages` list alone (/tokenize) through the template."""
-    if not isinstance(raw, list) or not raw:
-        raise bad("'messages' must be a non-empty list of messages", "messages")
-    try:
-        messages = _MESSAGES.validate_python(raw, strict=True)
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise bad(f"'messages' item {first['loc'][0]}: {first['msg']}", "messages") from None
-    return render(messages, template)
+        return max(1, served.engine.max_sequence_tokens - num_prompt_tokens), "messages"
+    return getattr(body, given[0]), given[0]
 
 
 def render(messages: list[Message], template: ChatTemplate, offering: ChatBody | None = None) -> str:
@@ -178,39 +150,39 @@ def _check_arguments(arguments: str, i: int) -> None:
 
 @routes.post("/v1/chat/completions")
 def chat_completions():
-    srv = server()
-    chat = parse_chat(request.get_json(silent=True), srv)
-    shared = chat.shared
-    req = start(srv, [chat.prompt], chat.params, shared.n, chat.stop, shared.stream, shared.priority, shared.lora)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name(srv, shared.lora)}
-    if chat.shared.stream:
+    chat = parse_chat(request.get_json(silent=True))
+    generation, served = chat.generation, chat.generation.server
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": generation.model}
+    if generation.stream:
+        submitted = submit(generation, streamed=True)
         head["object"] = "chat.completion.chunk"
         content = None if chat.tool_choice in ("required", "function") else ""  # a forced call has no content
-        opening = [_chunk_choice(i, {"role": "assistant", "content": content}) for i in range(len(req.completions))]
-        render_delta = _StreamedReplies(srv, chat, req).render
-        events = sse(srv, req, head, render_delta, chat.shared.include_usage, first=opening)
+        count = len(submitted.completions)
+        opening = [_chunk_choice(i, {"role": "assistant", "content": content}) for i in range(count)]
+        render_delta = _StreamedReplies(chat, submitted).render
+        events = sse(served, submitted, head, render_delta, generation.include_usage, first=opening)
         return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
-    wait_all(srv, req)
-    choices = [_choice(srv, chat, inf) for inf in req.completions]
-    if shared.return_token_ids:
-        head["prompt_token_ids"] = chat.prompt
-        for choice, inf in zip(choices, req.completions):
-            choice["token_ids"] = inf.generated_ids
-    return jsonify(**head, object="chat.completion", choices=choices, usage=usage(req))
+    submitted = run(generation)
+    choices = [_choice(served, chat, completion) for completion in submitted.completions]
+    if generation.return_token_ids:
+        head["prompt_token_ids"] = generation.prompts[0]
+        for choice, completion in zip(choices, submitted.completions):
+            choice["token_ids"] = completion.generated_ids
+    return jsonify(**head, object="chat.completion", choices=choices, usage=submitted.usage)
 
 
-def _choice(srv: Server, chat: ChatRequest, inf: Inference) -> dict:
+def _choice(served: Server, chat: ChatRequest, completion: Inference) -> dict:
     logprobs = None
-    if chat.params.logprobs is not None:
-        logprobs = {"content": _token_logprobs(srv, inf, 0, text_token_count(inf), chat.params.logprobs)}
-    message, finish_reason = {"role": "assistant", "content": inf.text.text}, inf.finish_reason
-    if chat.tool_choice != "none" and inf.finish_reason == "stop":
-        content, calls = split_reply(inf.text.text, chat.calls)
+    if chat.logprobs is not None:
+        logprobs = {"content": _token_logprobs(served, completion, 0, text_token_count(completion), chat.logprobs)}
+    message, finish_reason = {"role": "assistant", "content": completion.text.text}, completion.finish_reason
+    if chat.tool_choice != "none" and completion.finish_reason == "stop":
+        content, calls = split_reply(completion.text.text, chat.calls)
         if calls:
             tool_calls = [call.as_openai(new_call_id()) for call in calls]
             message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
             finish_reason = _call_finish_reason(chat)
-    return {"index": inf.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": completion.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def _call_finish_reason(chat: ChatRequest) -> str:
@@ -226,19 +198,22 @@ def _chunk_choice(index: int, delta: dict, logprobs: dict | None = None, finish_
 class _StreamedReplies:
     """Each delta's chunk: its text as content, and with tools, a call's pieces as tool_calls."""
 
-    def __init__(self, srv: Server, chat: ChatRequest, req: Request):
-        self.srv, self.chat, self.new_tokens = srv, chat, NewTokens(req)
-        self.texts = [""] * len(req.completions)
+    def __init__(self, chat: ChatRequest, submitted: Submitted):
+        self.chat, self.new_tokens = chat, NewTokens(submitted)
+        self.texts = [""] * len(submitted.completions)
         self.token_ids: list[int] = []  # of the delta being rendered (return_token_ids)
-        self.replies = [StreamedReply(chat.calls) for _ in req.completions]
+        self.replies = [StreamedReply(chat.calls) for _ in submitted.completions]
 
     def render(self, delta: Delta) -> dict:
-        inf, start, end = self.new_tokens.take(delta)
+        completion, start, end = self.new_tokens.take(delta)
         logprobs = None
-        if self.chat.params.logprobs is not None:
-            logprobs = {"content": _token_logprobs(self.srv, inf, start, end, self.chat.params.logprobs)}
-        if self.chat.shared.return_token_ids:  # this chunk's ids, an ending end-of-text included
-            self.token_ids = inf.generated_ids[start : inf.seq.num_generated if delta.finish_reason else end]
+        if self.chat.logprobs is not None:
+            served = self.chat.generation.server
+            logprobs = {"content": _token_logprobs(served, completion, start, end, self.chat.logprobs)}
+        if self.chat.generation.return_token_ids:  # this chunk's ids, an ending end-of-text included
+            self.token_ids = completion.generated_ids[
+                start : completion.seq.num_generated if delta.finish_reason else end
+            ]
         if self.chat.tool_choice == "none":
             return self._chunk(delta.index, {"content": delta.text}, logprobs, delta.finish_reason)
         self.texts[delta.index] += delta.text
@@ -251,19 +226,19 @@ class _StreamedReplies:
 
     def _chunk(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
         choice = _chunk_choice(index, delta, logprobs, finish_reason)
-        if self.chat.shared.return_token_ids:
+        if self.chat.generation.return_token_ids:
             choice["token_ids"] = self.token_ids
         return choice
 
 
-def _token_logprobs(srv: Server, inf: Inference, start: int, end: int, top_n: int) -> list[dict]:
+def _token_logprobs(served: Server, completion: Inference, start: int, end: int, top_n: int) -> list[dict]:
     """OpenAI's chat `logprobs.content`: each token with its log-probability and the top_n most likely."""
 
     def entry(token: int, logprob: float) -> dict:
-        raw = srv.tokenizer.decode_single_token_bytes(token)
-        return {"token": token_text(srv, token), "logprob": logprob, "bytes": list(raw)}
+        raw = served.tokenizer.decode_single_token_bytes(token)
+        return {"token": token_text(served, token), "logprob": logprob, "bytes": list(raw)}
 
     return [
         {**entry(token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top[:top_n]]}
-        for token, e in zip(inf.generated_ids[start:end], inf.seq.logprobs[start:end])
+        for token, e in zip(completion.generated_ids[start:end], completion.seq.logprobs[start:end])
     ]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from flask import Blueprint, Response, abort, jsonify, request
 
-from api.serving import server
-from api.validation import bad
+from api.errors import bad
+from api.sampling import server
 from batching.timeline import timeline
 
 PAGE_DIR = Path(__file__).resolve().parent.parent / "dashboard"

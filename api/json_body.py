@@ -12,7 +12,7 @@ from typing import Any
 
 from flask.json.provider import DefaultJSONProvider
 
-from api.validation import ApiError, bad
+from api.errors import ApiError, bad
 
 
 class StrictJSONProvider(DefaultJSONProvider):

@@ -9,8 +9,9 @@ import logging
 
 from flask import Blueprint, request
 
-from api.serving import server
-from api.validation import ApiError, bad, json_object, known_fields
+from api.errors import ApiError, bad
+from api.protocol import LoadLoraBody, UnloadLoraBody, parse
+from api.sampling import server
 from generate.lora_registry import LoraInUse, LoraNotFound
 from model.lora import LoraError
 
@@ -18,23 +19,14 @@ routes = Blueprint("lora", __name__)
 log = logging.getLogger(__name__)
 
 
-def _name(body: dict, field: str) -> str:
-    value = body.get(field)
-    if not isinstance(value, str) or not value.strip():
-        raise bad(f"'{field}' must be a non-empty string, got {value!r}", field)
-    return value
-
-
 @routes.post("/v1/load_lora_adapter")
 def load_lora_adapter():
-    srv = server()
-    body = json_object(request.get_json(silent=True))
-    known_fields(body, ("lora_name", "lora_path", "load_inplace"), "/v1/load_lora_adapter")
-    name, path = _name(body, "lora_name"), _name(body, "lora_path")
-    if name == srv.engine.model_name:
+    body = parse(LoadLoraBody, request.get_json(silent=True), "/v1/load_lora_adapter")
+    engine, name, path = server().engine, body.lora_name, body.lora_path
+    if name == engine.model_name:
         raise bad(f"'{name}' is the base model's name", "lora_name")
     try:
-        adapter = srv.engine.loras.load(name, path)
+        adapter = engine.loras.load(name, path)
     except LoraError as err:  # the adapter itself
         raise bad(str(err), "lora_path") from None
     except ValueError as err:  # the name taken, or MAX_CPU_LORAS reached
@@ -45,12 +37,10 @@ def load_lora_adapter():
 
 @routes.post("/v1/unload_lora_adapter")
 def unload_lora_adapter():
-    srv = server()
-    body = json_object(request.get_json(silent=True))
-    known_fields(body, ("lora_name", "lora_int_id"), "/v1/unload_lora_adapter")
-    name = _name(body, "lora_name")
+    body = parse(UnloadLoraBody, request.get_json(silent=True), "/v1/unload_lora_adapter")
+    name = body.lora_name
     try:
-        srv.engine.loras.unload(name)
+        server().engine.loras.unload(name)
     except LoraNotFound as err:
         raise ApiError(404, str(err), "NotFoundError", param="lora_name") from None
     except LoraInUse as err:
@@ -61,8 +51,8 @@ def unload_lora_adapter():
 
 def model_cards() -> list[dict]:
     """/v1/models: the base model, then each adapter with the base as its parent and its path as root."""
-    srv = server()
-    base = srv.engine.model_name
-    card = {"object": "model", "created": 0, "owned_by": "local", "max_model_len": srv.engine.max_context}
+    engine = server().engine
+    base = engine.model_name
+    card = {"object": "model", "created": 0, "owned_by": "local", "max_model_len": engine.max_context}
     cards = [{**card, "id": base, "root": base, "parent": None}]
-    return cards + [{**card, "id": a.name, "root": a.path, "parent": base} for a in srv.engine.loras.adapters()]
+    return cards + [{**card, "id": a.name, "root": a.path, "parent": base} for a in engine.loras.adapters()]

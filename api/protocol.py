@@ -1,8 +1,9 @@
-"""The request bodies of /v1/completions and /v1/chat/completions, each declared once (as vLLM's protocol.py).
+"""Every endpoint's request body, each declared once (as vLLM's protocol.py); the chat bodies are in
+api/chat_protocol.py.
 
 Names and static ranges follow OpenAI's API reference; `top_k`, `min_tokens`, `repetition_penalty`,
 `ignore_eos` and the `guided_*` fields are vLLM's extras. What depends on the served model (its
-name, vocabulary, context) is checked after, by the endpoint. Validation is strict: no string is
+name, vocabulary, context) is checked after, by api/sampling.py. Validation is strict: no string is
 read as a number, no number as a boolean, no field is unknown. `parse` turns the first problem into
 a 400 whose `param` is the field's top-level name, so every problem names its field.
 """
@@ -11,17 +12,19 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.priority import PRIORITY_LIMIT
-from api.validation import ApiError, bad, json_object
+from api.errors import ApiError, bad
+from batching.batch_jobs import ENDPOINTS
 
 MAX_N = 16  # completions of one prompt in one request
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI
 LOGIT_BIAS_LIMIT = 100.0  # |bias|: -100 bans a token, 100 all but forces it
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions
-MAX_TOP_LOGPROBS = 20  # as OpenAI's chat completions
 MAX_PROMPTS = 64  # prompts in one completions request
-MAX_TOOLS = 128  # as OpenAI
+MAX_METADATA = 16  # a batch's metadata keys, as OpenAI
+# The `priority` field (every generation endpoint): lower is more urgent, 0 by default, as vLLM's; the
+# scheduler ranks by it (generate/priority.py). Batch API requests run at PRIORITY_LIMIT, the lowest.
+PRIORITY_LIMIT = 1000
 
 
 class Strict(BaseModel):
@@ -47,15 +50,32 @@ class StructuredOutputs(Strict):
     whitespace_pattern: str | None = None
 
 
-class SamplingRequest(Strict):
-    """The fields both endpoints share: model, n, sampling, stop, streaming, one constraint."""
+class Sampling(Strict):
+    """The fields every generation endpoint takes: which model, who asks, how urgent, how to sample."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    model: str | None = None  # the base model's name or a LoRA adapter's; none: the base model
+    user: str | None = None  # OpenAI's end-user id: names the request's tenant when its API key does not
+    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)  # vLLM's: lower is more urgent
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, ge=1e-9, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM's -1 means off, as 0 does; at most the vocabulary (checked by the endpoint)
+    top_k: int = Field(0, ge=-1)  # vLLM's -1 means off, as 0 does; at most the vocabulary (api/sampling.py)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+
+class InferenceBody(Sampling):
+    """POST /inference, the original endpoint: one text prompt, num_tokens to generate."""
+
+    prompt: NonEmpty
+    num_tokens: int = Field(ge=1)  # at most the context (api/sampling.py)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_k: int = Field(0, ge=0, le=50257)
+    stop_at_eos: bool = False
+
+
+class SamplingRequest(Sampling):
+    """The fields both OpenAI endpoints share: n, sampling, stop, streaming, one constraint."""
+
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -67,8 +87,6 @@ class SamplingRequest(Strict):
     ] = {}
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    user: str | None = None  # OpenAI's end-user id: names the request's tenant when its API key does not
-    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)  # vLLM's: lower is more urgent
     return_token_ids: bool = False  # vLLM's: choices carry their "token_ids" (and the prompt's)
     guided_json: dict[str, Any] | str | None = None  # a JSON Schema, or its JSON text
     guided_regex: str | None = None
@@ -86,128 +104,62 @@ class CompletionBody(SamplingRequest):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
-# --- chat ----------------------------------------------------------------------------------------
+class DetokenizeBody(Strict):
+    model: str | None = None
+    tokens: list[int]  # each below the vocabulary (checked by the endpoint)
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
+LoraName = Annotated[str, Field(pattern=r"\S")]  # not blank
 
 
-Content = str | list[TextPart]
+class LoadLoraBody(Strict):
+    lora_name: LoraName
+    lora_path: LoraName
+    load_inplace: bool = False  # vLLM's; a loaded name is refused here either way
 
 
-class CalledFunction(Strict):
-    name: NonEmpty
-    arguments: str  # JSON text, as the model wrote it
+class UnloadLoraBody(Strict):
+    lora_name: LoraName
+    lora_int_id: int | None = None  # vLLM's; the name says which
 
 
-class ToolCall(Strict):
-    id: NonEmpty
-    type: Literal["function"]
-    function: CalledFunction
+class BatchBody(Strict):
+    """POST /v1/batches: a batch over an uploaded file (whose purpose the endpoint checks)."""
 
-
-class SystemMessage(Strict):
-    role: Literal["system", "developer"]  # developer: OpenAI's newer name for system messages
-    content: Content
-
-
-class UserMessage(Strict):
-    role: Literal["user"]
-    content: Content
-
-
-class AssistantMessage(Strict):
-    role: Literal["assistant"]
-    content: Content | None = None  # null when the turn only called tools
-    tool_calls: list[ToolCall] = []
-
-
-class ToolMessage(Strict):
-    role: Literal["tool"]
-    content: Content
-    tool_call_id: NonEmpty  # which call this answers
-
-
-Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
-
-FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # as OpenAI
-
-
-class FunctionDefinition(Strict):
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] = {"type": "object"}  # a JSON Schema for the arguments; none: any object
-    strict: bool | None = None  # arguments always follow the schema here
-
-
-class Tool(Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class ChosenFunction(Strict):
-    name: FunctionName
-
-
-class NamedToolChoice(Strict):
-    type: Literal["function"]
-    function: ChosenFunction
-
-
-class JsonSchemaSpec(Strict):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # output always follows the schema here
-
-
-class TextFormat(Strict):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(Strict):
-    type: Literal["json_object"]
-
-
-class JsonSchemaFormat(Strict):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaSpec
-
-
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
-
-
-class ChatBody(SamplingRequest):
-    messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # None or true: a reply may make several calls; false: one at most
+    endpoint: Literal[ENDPOINTS]
+    completion_window: Literal["24h"]
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA)] | None = None
+    input_file_id: str
 
 
 # --- parsing -------------------------------------------------------------------------------------
 
 # What a field with several accepted shapes must be, said once rather than once per shape tried.
 SHAPES = {
+    "/inference prompt": "a non-empty string",
+    "/tokenize prompt": "a string",
+    "tokens": "a list of token ids",
     "prompt": f"a non-empty string or list of token ids, or a list of at most {MAX_PROMPTS} of them",
     "stop": f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
     "guided_json": "a JSON Schema: an object, or its JSON text",
     "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
     "logit_bias": f"an object of at most {MAX_LOGIT_BIAS} token ids to numbers from -100 to 100",
+    "lora_name": "a non-empty string",
+    "lora_path": "a non-empty string",
+    "endpoint": f"one of {', '.join(ENDPOINTS)}",
+    "completion_window": "'24h'",
+    "metadata": f"an object of at most {MAX_METADATA} string values",
 }
 
 Body = TypeVar("Body", bound=Strict)
 
 
 def parse(cls: type[Body], body: Any, where: str) -> Body:
-    """The body as `cls`; a null field counts as absent. The first problem is a 400 naming its field."""
-    fields = json_object(body)
+    """The body as `cls`; a null field counts as absent, as OpenAI's clients send it for "not given".
+    The first problem is a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    fields = {name: value for name, value in body.items() if value is not None}
     try:
         return cls.model_validate(fields)
     except ValidationError as err:
@@ -219,12 +171,13 @@ def _problem(error: dict, where: str) -> ApiError:
     field = str(loc[0])
     if error["type"] == "extra_forbidden" and len(loc) == 1:
         return bad(f"unknown or unsupported field '{field}' for {where}", field)
+    shape = SHAPES.get(f"{where} {field}", SHAPES.get(field)) if len(loc) == 1 or error["type"] != "missing" else None
     if error["type"] == "missing":
-        return bad(f"'{_path(loc)}' is required", field)
+        return bad((f"'{field}' must be {shape}; it " if shape else f"'{_path(loc)}' ") + "is required", field)
     got = repr(error["input"])
     got = got if len(got) <= 80 else got[:77] + "..."
-    if field in SHAPES:
-        return bad(f"'{field}' must be {SHAPES[field]}, got {got}", field)
+    if shape is not None:
+        return bad(f"'{field}' must be {shape}, got {got}", field)
     return bad(f"'{_path(loc)}': {error['msg'][0].lower()}{error['msg'][1:]}, got {got}", field)
 
 

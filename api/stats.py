@@ -2,7 +2,7 @@
 
 from flask import Blueprint, Response, jsonify
 
-from api.serving import server
+from api.sampling import server
 from batching import metrics
 from batching.server_stats import server_stats
 

@@ -1,5 +1,8 @@
 """A request's one output constraint: which field asked for it, as the grammar engine takes it, compiled.
 
+CONSTRAINT_FIELDS names the body fields that ask for one: api/sampling.py comes here only when a
+request sets one of them (or the endpoint asks, as chat's response_format and tools do).
+
 The fields are vLLM's `guided_*` (both endpoints) and, on chat, OpenAI's `response_format` and
 forced tool calls (api/tool_calls.py). Compiling happens here, on the request's thread, before
 the request is admitted: a constraint the engine refuses is a 400 naming the field, and the
@@ -8,13 +11,23 @@ engine's loop never waits for a compile.
 
 import json
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
+from api.errors import bad
 from api.protocol import SamplingRequest
-from api.serving import server
-from api.validation import bad
 from generate.constraints import CompiledConstraint, Constraint, ConstraintError
 
+CONSTRAINT_FIELDS = frozenset(
+    {
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_whitespace_pattern",
+        "structured_outputs",
+    }
+)
 # GBNF / xgrammar's EBNF defines rules with "::="; Lark (vLLM's tests, llguidance) with ":".
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
 
@@ -76,6 +89,15 @@ def json_schema(schema: dict, whitespace: str | None = None) -> Constraint:
     return Constraint("json_schema", json.dumps(schema), whitespace)
 
 
+Compile = Callable[[Constraint], CompiledConstraint]  # the serving engine's compiler (cached)
+
+
+def constraint(body: SamplingRequest, more: list[Asked], compiler: Compile) -> CompiledConstraint | None:
+    """The one constraint the body's guided_* or structured_outputs fields, or the endpoint's `more`, ask for,
+    compiled; more than one is a 400 naming the second."""
+    return compiled(one_constraint(guided(body) + more), compiler)
+
+
 def one_constraint(asked: list[Asked]) -> Asked | None:
     if len(asked) > 1:
         names = " and ".join(f"'{a.field}'" for a in asked)
@@ -83,11 +105,11 @@ def one_constraint(asked: list[Asked]) -> Asked | None:
     return asked[0] if asked else None
 
 
-def compiled(asked: Asked | None) -> CompiledConstraint | None:
+def compiled(asked: Asked | None, compiler: Compile) -> CompiledConstraint | None:
     """The constraint compiled (cached by the engine's compiler); a refusal is a 400 naming its field."""
     if asked is None:
         return None
     try:
-        return server().engine.constraints.compile(asked.constraint)
+        return compiler(asked.constraint)
     except ConstraintError as err:
         raise bad(f"'{asked.field}': {err}", asked.field) from None

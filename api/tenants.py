@@ -27,7 +27,7 @@ from pathlib import Path
 
 from flask import g, request
 
-from api.validation import ApiError
+from api.errors import ApiError
 from config import Settings
 from generate.fair_share import SHARED
 
@@ -129,13 +129,8 @@ def key_tenant() -> str | None:
     return g.get("key_tenant")
 
 
-def note_user(user: str | None) -> None:
-    """The request's `user` field, which names its tenant when its key does not."""
+def tenant_of(user: str | None) -> str:
+    """The request's tenant: its key's, else its `user` field's, else the shared one."""
     if user is not None and len(user) > MAX_USER:
         raise ApiError(400, f"'user' must be at most {MAX_USER} characters", param="user")
-    g.user_tenant = user
-
-
-def current() -> str:
-    """The request's tenant: its key's, else its `user`, else the shared one."""
-    return key_tenant() or g.get("user_tenant") or SHARED
+    return key_tenant() or user or SHARED

@@ -3,10 +3,11 @@ or build token-id prompts (lm-evaluation-harness among them)."""
 
 from flask import Blueprint, jsonify, request
 
-from api.chat import parse_messages
-from api.openai_params import check_model
-from api.serving import server
-from api.validation import bad, boolean, json_object, known_fields
+from api.chat import render
+from api.chat_protocol import TokenizeBody
+from api.errors import bad
+from api.protocol import DetokenizeBody, parse
+from api.sampling import check_model, server
 from model.tokenizer import encode_prompt
 
 routes = Blueprint("tokenize", __name__)
@@ -15,37 +16,33 @@ routes = Blueprint("tokenize", __name__)
 @routes.post("/tokenize")
 def tokenize():
     """{"prompt": text} or {"messages": [...]} (through the chat template) -> the tokens, their count, the context."""
-    srv = server()
-    body = json_object(request.get_json(silent=True))
-    known_fields(body, ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"), "/tokenize")
-    check_model(body.get("model"), srv)
-    boolean(body, "add_special_tokens", True)  # GPT-2 adds none either way
-    if ("prompt" in body) == ("messages" in body):
+    body = parse(TokenizeBody, request.get_json(silent=True), "/tokenize")
+    served = server()
+    check_model(body.model, served)
+    if (body.prompt is None) == (body.messages is None):
         raise bad("give either 'prompt' (a string) or 'messages' (a chat)", "prompt")
-    if "messages" in body:
-        if not boolean(body, "add_generation_prompt", True):
+    if body.messages is not None:
+        if not body.messages:
+            raise bad("'messages' must be a non-empty list of messages", "messages")
+        if not body.add_generation_prompt:
             raise bad(
                 "'add_generation_prompt' false is not supported: the template always opens the reply",
                 "add_generation_prompt",
             )
-        text = parse_messages(body["messages"], srv.chat_template)
         # message content is text, as /v1/chat/completions reads it
-        tokens = srv.tokenizer.encode(text, disallowed_special=())
-    elif isinstance(body["prompt"], str):
-        tokens = encode_prompt(srv.tokenizer, body["prompt"])
+        tokens = served.tokenizer.encode(render(body.messages, served.chat_template), disallowed_special=())
     else:
-        raise bad("'prompt' must be a string", "prompt")
-    return jsonify(tokens=tokens, count=len(tokens), max_model_len=srv.engine.max_context)
+        tokens = encode_prompt(served.tokenizer, body.prompt)
+    return jsonify(tokens=tokens, count=len(tokens), max_model_len=served.engine.max_context)
 
 
 @routes.post("/detokenize")
 def detokenize():
     """{"tokens": [ids]} -> {"prompt": their text}."""
-    srv = server()
-    body = json_object(request.get_json(silent=True))
-    known_fields(body, ("model", "tokens"), "/detokenize")
-    check_model(body.get("model"), srv)
-    tokens, vocab = body.get("tokens"), srv.tokenizer.n_vocab
-    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+    body = parse(DetokenizeBody, request.get_json(silent=True), "/detokenize")
+    served = server()
+    check_model(body.model, served)
+    vocab = served.tokenizer.n_vocab
+    if not all(0 <= t < vocab for t in body.tokens):
         raise bad(f"'tokens' must be a list of token ids below {vocab}", "tokens")
-    return jsonify(prompt=srv.tokenizer.decode(tokens))
+    return jsonify(prompt=served.tokenizer.decode(body.tokens))

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from api.protocol import Tool
+from api.chat_protocol import Tool
 
 # The call up to its arguments: the grammar writes the name first (the schema's property order).
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')

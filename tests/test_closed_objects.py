@@ -8,7 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from api.protocol import ChatBody, parse
+from api.chat_protocol import ChatBody
+from api.protocol import parse
 from api.tool_calls import call_schema
 from config import EngineSettings
 from generate.closed_objects import close_objects

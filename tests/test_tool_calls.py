@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from api.chat_protocol import ChatBody
 from api.chat_template import ChatTemplate
-from api.protocol import ChatBody, CompletionBody, parse
+from api.errors import ApiError
+from api.protocol import CompletionBody, parse
 from api.structured import grammar_kind, guided
 from api.tool_calls import Call, Calls, StreamedReply, call_json, call_schema, split_reply
-from api.validation import ApiError
 
 TEMPLATE = ChatTemplate.load()
 OPENER = TEMPLATE.call_opener

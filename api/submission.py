@@ -1,0 +1,179 @@
+"""The one place a request meets the batching manager: its completions submitted (n per prompt, forks sharing
+the prompt), then awaited (`run`) or streamed (`sse`); a refusal, a timeout or a failure as an ApiError.
+
+A request's completions are ordered by prompt, then by n, and `index` is that order. They enter
+the batcher together; each is an Inference of its own, with its own text, stop strings and
+random stream. With a seed, completion j of a prompt uses seed + j, so each is reproducible
+and they differ from each other (and completion 0 is what n = 1 would give).
+"""
+
+import json
+import queue
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+
+from api.errors import ApiError
+from api.sampling import Generation, Server
+from batching.admission import Refused
+from batching.inference import Delta, Inference
+from batching.manager import NotServing
+from batching.text_stream import TextStream
+from model.tokenizer import EOT_ID
+
+SEED_LIMIT = 2**63
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A request's completions in the manager, by index (prompt, then n)."""
+
+    prompts: list[list[int]]
+    completions: list[Inference]
+    n: int
+
+    @property
+    def usage(self) -> dict:
+        """OpenAI's usage: the prompts count once each, whatever n; every completion's tokens count."""
+        prompt = sum(len(p) for p in self.prompts)
+        generated = sum(len(completion.generated_ids) for completion in self.completions)
+        leaders = self.completions[:: self.n]
+        cached = sum(leader.seq.num_cached_prompt_tokens or 0 for leader in leaders)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": generated,
+            "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+def run(generation: Generation) -> Submitted:
+    """The request's completions, submitted and every one answered."""
+    submitted = submit(generation, streamed=False)
+    wait_all(generation.server, submitted)
+    return submitted
+
+
+def submit(generation: Generation, streamed: bool) -> Submitted:
+    """Queue n completions of every prompt (they enter the engine together); the first of each prompt leads,
+    the others fork from it. Refused (queue full, a target that cannot be met, not serving): an ApiError."""
+    chunks = queue.SimpleQueue() if streamed else None
+    params, completions = generation.params, []
+    for prompt in generation.prompts:
+        leader = None
+        for j in range(generation.n):
+            own = params if params.seed is None else replace(params, seed=(params.seed + j) % SEED_LIMIT)
+            completion = Inference(
+                prompt,
+                own,
+                text=TextStream(generation.server.tokenizer, generation.stop),
+                chunks=chunks,
+                index=len(completions),
+                fork_of=leader,
+                priority=generation.priority,
+                tenant=generation.tenant,
+                lora=generation.lora,
+            )
+            leader = leader or completion
+            completions.append(completion)
+    try:
+        generation.server.manager.enqueue(*completions)
+    except Refused as err:
+        raise ApiError(err.status, str(err), "overloaded", headers={"Retry-After": str(err.retry_after)}) from None
+    except NotServing as err:
+        raise ApiError(503, str(err), "unavailable") from None
+    return Submitted(generation.prompts, completions, generation.n)
+
+
+def wait_all(server: Server, submitted: Submitted) -> None:
+    """Every completion answered; past REQUEST_TIMEOUT_S they are aborted (blocks freed) and 504 answered."""
+    deadline = time.monotonic() + server.settings.request_timeout_s
+    for completion in submitted.completions:
+        if not completion.done.wait(max(0.0, deadline - time.monotonic())):
+            server.manager.cancel(*submitted.completions)
+            break
+    for completion in submitted.completions:
+        completion.done.wait()
+    _raise_error(server, submitted.completions)
+
+
+def _raise_error(server: Server, completions: Iterable[Inference]) -> None:
+    errors = [completion.error for completion in completions if completion.error]
+    if "cancelled" in errors:
+        raise ApiError(504, f"no answer within {server.settings.request_timeout_s} s", "timeout")
+    if errors:
+        raise ApiError(500, errors[0], "server_error")
+
+
+def deltas(server: Server, submitted: Submitted) -> Iterator[Delta]:
+    """Every completion's deltas as they come (interleaved, each in order), until all are answered."""
+    deadline = time.monotonic() + server.settings.request_timeout_s
+    chunks = submitted.completions[0].chunks
+    pending = len(submitted.completions)
+    while pending:
+        try:
+            chunk = chunks.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise ApiError(504, f"no answer within {server.settings.request_timeout_s} s", "timeout") from None
+        if isinstance(chunk, Delta):
+            yield chunk
+            continue
+        pending -= 1
+        _raise_error(server, [chunk])
+
+
+def sse(
+    server: Server,
+    submitted: Submitted,
+    head: dict,
+    render: Callable[[Delta], dict],
+    include_usage: bool,
+    first: Iterable[dict] = (),
+) -> Iterator[str]:
+    """Server-sent events: `first` choices, one event per delta, the usage if asked, then [DONE].
+    A client that hangs up closes this generator, which cancels the request."""
+    try:
+        for choice in first:
+            yield event({**head, "choices": [choice]})
+        for delta in deltas(server, submitted):
+            yield event({**head, "choices": [render(delta)]})
+        if include_usage:
+            yield event({**head, "choices": [], "usage": submitted.usage})
+    except ApiError as err:
+        yield event(err.body())
+    finally:
+        unanswered = [completion for completion in submitted.completions if not completion.done.is_set()]
+        if unanswered:
+            server.manager.cancel(*unanswered)
+    yield "data: [DONE]\n\n"
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def text_token_count(completion: Inference, upto: int | None = None) -> int:
+    """Generated tokens that make text: all but an ending end-of-text token (which is no text)."""
+    count = completion.seq.num_generated if upto is None else upto
+    ids = completion.generated_ids
+    ended_by_eos = completion.finish_reason == "stop" and completion.params.stop_at_eos and ids and ids[-1] == EOT_ID
+    return count - 1 if ended_by_eos and count == len(ids) else count
+
+
+class NewTokens:
+    """Which generated tokens each streamed delta brings, for their log-probabilities."""
+
+    def __init__(self, submitted: Submitted):
+        self.submitted = submitted
+        self._sent = [0] * len(submitted.completions)
+
+    def take(self, delta: Delta) -> tuple[Inference, int, int]:
+        """The delta's completion, and the range of its tokens not reported before."""
+        completion = self.submitted.completions[delta.index]
+        end = text_token_count(completion, delta.num_tokens) if delta.finish_reason else delta.num_tokens
+        start, self._sent[delta.index] = self._sent[delta.index], end
+        return completion, start, end
+
+
+def token_text(server: Server, token: int) -> str:
+    return server.tokenizer.decode_single_token_bytes(token).decode("utf-8", errors="replace")
