@@ -247,23 +247,23 @@ class LiveTable:
     def tokens_delivered(self, tokens: int, firsts: list[Inference], gaps: list[tuple[int, float]]) -> None:
         """One step's tokens: `firsts` got their first token (or prompt-only answer), `gaps` are
         (request id, seconds since its previous token) of every later token."""
-        ttfts = tuple(inf.ttft_s for inf in firsts)
+        ttfts = tuple(inference.ttft_s for inference in firsts)
         with self._lock:
             for ttft in ttfts:
                 self.histograms["ttft"].observe(ttft)
             for _, gap in gaps:
                 self.histograms["itl"].observe(gap)
-        self.stats.count_tokens(sum(inf.seq.num_prompt_tokens for inf in firsts), tokens)
+        self.stats.count_tokens(sum(inference.seq.num_prompt_tokens for inference in firsts), tokens)
         self.window.add_step(StepTokens(time.time(), tokens, ttfts, tuple(gaps)))
 
-    def answered(self, inf: Inference) -> None:
+    def answered(self, inference: Inference) -> None:
         """One inference answered: its outcome, and for a success its latencies and lengths."""
-        self.stats.record(inf)
-        kind = outcome(inf)
+        self.stats.record(inference)
+        kind = outcome(inference)
         self.window.add_ending(time.time(), {"ok": "finished", "error": "failed"}.get(kind, kind))
         if kind == "ok":
             with self._lock:
-                for key, value in _request_figures(inf).items():
+                for key, value in _request_figures(inference).items():
                     self.histograms[key].observe(value)
 
     # --- read by request threads ------------------------------------------------------------------
@@ -278,19 +278,19 @@ class LiveTable:
         return self.window.figures(time.time())
 
 
-def _request_figures(inf: Inference) -> dict[str, float]:
+def _request_figures(inference: Inference) -> dict[str, float]:
     """What one successful request adds to the histograms (vLLM's definitions)."""
-    n = len(inf.generated_ids)
+    n = len(inference.generated_ids)
     figures = {
-        "e2e": inf.latency_s,
-        "decode": inf.finished_at - inf.first_token_at,
-        "prompt_tokens": len(inf.prompt_ids),
+        "e2e": inference.latency_s,
+        "decode": inference.finished_at - inference.first_token_at,
+        "prompt_tokens": len(inference.prompt_ids),
         "generation_tokens": n,
-        "max_tokens": inf.params.max_tokens,
+        "max_tokens": inference.params.max_tokens,
     }
-    if inf.scheduled_at is not None:
-        figures["queue"] = inf.scheduled_at - inf.arrival
-        figures["prefill"] = inf.first_token_at - inf.scheduled_at
+    if inference.scheduled_at is not None:
+        figures["queue"] = inference.scheduled_at - inference.arrival
+        figures["prefill"] = inference.first_token_at - inference.scheduled_at
     if n > 1:
-        figures["tpot"] = (inf.latency_s - inf.ttft_s) / (n - 1)
+        figures["tpot"] = (inference.latency_s - inference.ttft_s) / (n - 1)
     return figures

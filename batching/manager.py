@@ -90,15 +90,19 @@ class BatchingManager:
                 raise NotServing(self.failure or ("shutting down" if self._stop_at else "the loop is not running"))
             queued = []  # (priority, prompt tokens) of the requests queued here, when admission weighs work
             if self.admission.counts_work:
-                queued = [(inf.priority, len(inf.prompt_ids)) for req in self._incoming for inf in _prompts(req)]
-            tokens, tenant = sum(len(inf.prompt_ids) for inf in _prompts(infs)), infs[0].tenant
+                queued = [
+                    (inference.priority, len(inference.prompt_ids))
+                    for req in self._incoming
+                    for inference in _prompts(req)
+                ]
+            tokens, tenant = sum(len(inference.prompt_ids) for inference in _prompts(infs)), infs[0].tenant
             mine = self.admission.tenants.queued(tenant, self._incoming)
             self.admission.check(tokens, infs[0].priority, self.num_waiting(), queued, tenant, mine, len(infs))
             self._incoming.append(infs)
             self._num_incoming += len(infs)
-            for inf in infs:
-                self.engine.loras.hold(inf.lora)  # its adapter stays loaded until it is answered
-                self.observer.arrived(inf)
+            for inference in infs:
+                self.engine.loras.hold(inference.lora)  # its adapter stays loaded until it is answered
+                self.observer.arrived(inference)
             self._cond.notify()
         return infs
 
@@ -117,7 +121,7 @@ class BatchingManager:
     def lora_names(self) -> tuple[list[str], list[str]]:
         """The LoRA adapters of running requests, and of waiting ones (here or in the engine's queue), by name."""
         with self._cond:  # the queue changes under this lock; the engine's lists are copied whole (under the GIL)
-            queued = [inf.lora for request in self._incoming for inf in request]
+            queued = [inference.lora for request in self._incoming for inference in request]
         scheduler = self.engine.scheduler
         waiting = queued + [seq.lora for seq in list(scheduler.waiting)]
         names = lambda loras: sorted({a.name for a in loras if a is not None})  # noqa: E731
@@ -177,10 +181,10 @@ class BatchingManager:
 
     def _start(self, request: tuple[Inference, ...]) -> None:
         self._num_incoming -= len(request)
-        for inf in request:
-            self._active[inf.seq.seq_id] = inf
-            self.engine.add(inf.seq)
-            self.observer.admitted(inf)
+        for inference in request:
+            self._active[inference.seq.seq_id] = inference
+            self.engine.add(inference.seq)
+            self.observer.admitted(inference)
 
     def _check_cache(self) -> None:
         """Verify the KV cache whenever the server goes idle; /stats reports the outcome."""
@@ -211,19 +215,19 @@ class BatchingManager:
         self._incoming = deque(sorted(self._incoming, key=rank))
 
     def _apply_cancellations(self) -> None:
-        for inf in self._cancelled:
-            if inf.done.is_set():
+        for inference in self._cancelled:
+            if inference.done.is_set():
                 continue  # finished (or its whole request cancelled) before the cancellation arrived
-            request = next((r for r in self._incoming if inf in r), None)
+            request = next((r for r in self._incoming if inference in r), None)
             if request is not None:  # not started: the whole request leaves the queue
                 self._incoming.remove(request)
                 self._num_incoming -= len(request)
                 for queued in request:
                     self._answer(queued, error="cancelled")
                 continue
-            self.engine.abort(inf.seq)
-            self._active.pop(inf.seq.seq_id, None)
-            self._answer(inf, error="cancelled")
+            self.engine.abort(inference.seq)
+            self._active.pop(inference.seq.seq_id, None)
+            self._answer(inference, error="cancelled")
         self._cancelled.clear()
 
     def _step(self) -> None:
@@ -238,53 +242,57 @@ class BatchingManager:
         for seq, token in results:
             self._deliver(self._active[seq.seq_id], token, seq.status is Status.FINISHED, news)
         self.observer.on_step(news)  # all the step measured, in one call (batching/observer.py)
-        for inf in news.finished:
-            del self._active[inf.seq.seq_id]
-            self._release(inf)
+        for inference in news.finished:
+            del self._active[inference.seq.seq_id]
+            self._release(inference)
 
     @staticmethod
-    def _deliver(inf: Inference, token: int | None, finished: bool, news: StepNews) -> None:
+    def _deliver(inference: Inference, token: int | None, finished: bool, news: StepNews) -> None:
         """The text a step released, to a streaming client (a completion's last delta always goes).
         Sequences end in the engine (Sequence.append decides, stop strings included); here they are
         only answered."""
-        news.delivered.append((inf, token))
+        news.delivered.append((inference, token))
         if token is None and not finished:  # a prompt chunk short of the prompt's end
             return
         if finished:
-            inf.finish()
-            news.finished.append(inf)
-        if inf.text is None:
+            inference.finish()
+            news.finished.append(inference)
+        if inference.text is None:
             return
         if finished:
-            inf.text.finish()
-        piece = inf.text.take()
-        if inf.chunks is not None and (piece or finished):
-            inf.chunks.put(Delta(inf.index, piece, inf.seq.num_generated, inf.finish_reason if finished else None))
+            inference.text.finish()
+        piece = inference.text.take()
+        if inference.chunks is not None and (piece or finished):
+            inference.chunks.put(
+                Delta(
+                    inference.index, piece, inference.seq.num_generated, inference.finish_reason if finished else None
+                )
+            )
 
-    def _answer(self, inf: Inference, error: str) -> None:
+    def _answer(self, inference: Inference, error: str) -> None:
         """An inference that ends outside a step: cancelled, or failed with the loop (one that ended in
         the step the loop died in keeps its ending)."""
-        if inf.finished_at is None:
-            inf.finish(error)
-        self.observer.on_answer(inf)
-        self._release(inf)
+        if inference.finished_at is None:
+            inference.finish(error)
+        self.observer.on_answer(inference)
+        self._release(inference)
 
-    def _release(self, inf: Inference) -> None:
-        self.engine.loras.release(inf.lora)
-        inf.answer()  # last: whoever the answer reaches finds the request counted everywhere
+    def _release(self, inference: Inference) -> None:
+        self.engine.loras.release(inference.lora)
+        inference.answer()  # last: whoever the answer reaches finds the request counted everywhere
 
     def _fail_everything(self, reason: str) -> None:
         with self._cond:
             self.failure = reason
-            pending = [inf for request in self._incoming for inf in request] + list(self._active.values())
+            pending = [inference for request in self._incoming for inference in request] + list(self._active.values())
             self._incoming.clear()
             self._num_incoming = 0
             self._active.clear()
-        for inf in pending:
-            if not inf.done.is_set():
-                self._answer(inf, error=reason)
+        for inference in pending:
+            if not inference.done.is_set():
+                self._answer(inference, error=reason)
 
 
 def _prompts(request: tuple[Inference, ...]) -> list[Inference]:
     """A request's inferences that compute their prompt: all but forks, which share their leader's."""
-    return [inf for inf in request if inf.seq.fork_of is None]
+    return [inference for inference in request if inference.seq.fork_of is None]

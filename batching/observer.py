@@ -53,13 +53,13 @@ class LoopObserver:
         self._preemptions_seen = 0  # the scheduler's count at the last step; loop thread only
 
     # --- between steps -----------------------------------------------------------------------------
-    def arrived(self, inf: Inference) -> None:
+    def arrived(self, inference: Inference) -> None:
         """On the request thread: the inference joined the manager's queue."""
-        self._record(inf, "arrived")
+        self._record(inference, "arrived")
 
-    def admitted(self, inf: Inference) -> None:
+    def admitted(self, inference: Inference) -> None:
         """Handed to the engine, whose scheduler will run it when there is room."""
-        self._record(inf, "admitted")
+        self._record(inference, "admitted")
 
     def idle(self) -> None:
         """The loop is about to wait for work: throughput counts busy time only."""
@@ -79,8 +79,8 @@ class LoopObserver:
         if self.engine.scheduler.num_preemptions != self._preemptions_seen:
             self._record_preemptions(news.active, step)
         self._count_tokens(news)
-        for inf in news.finished:  # after the tokens: an answer finds its tokens in /stats
-            self.on_answer(inf)
+        for inference in news.finished:  # after the tokens: an answer finds its tokens in /stats
+            self.on_answer(inference)
         step.num_queued = news.queued
         step.add_stage("deliver", time.perf_counter() - news.started)
         self.steps_done = step.index
@@ -88,60 +88,65 @@ class LoopObserver:
     def _count_tokens(self, news: StepNews) -> None:
         now = news.at
         tokens, firsts, gaps = 0, [], []
-        for inf, token in news.delivered:
-            if inf.phase != "decoding":  # one check per sequence and step: most are decoding
-                self._record_prefill(inf, token, news)
-            if token is None and inf.finished_at is None:  # a prompt chunk short of the prompt's end
+        for inference, token in news.delivered:
+            if inference.phase != "decoding":  # one check per sequence and step: most are decoding
+                self._record_prefill(inference, token, news)
+            if token is None and inference.finished_at is None:  # a prompt chunk short of the prompt's end
                 continue
-            if inf.first_token_at is None:
-                inf.first_token_at = now  # for a prompt-only inference: its prompt's log-probabilities
-                firsts.append(inf)
+            if inference.first_token_at is None:
+                inference.first_token_at = now  # for a prompt-only inference: its prompt's log-probabilities
+                firsts.append(inference)
             elif token is not None:
-                gaps.append((inf.seq.seq_id, now - inf.last_token_at))
+                gaps.append((inference.seq.seq_id, now - inference.last_token_at))
             if token is not None:
                 tokens += 1
-                inf.last_token_at = now
+                inference.last_token_at = now
         self.live.tokens_delivered(tokens, firsts, gaps)
 
-    def _record_prefill(self, inf: Inference, token: int | None, news: StepNews) -> None:
+    def _record_prefill(self, inference: Inference, token: int | None, news: StepNews) -> None:
         """The step that first schedules a waiting request starts its prefill; its first token ends it."""
-        if inf.phase == "admitted":  # as of the step's start, before its token (if any) was appended
-            if inf.scheduled_at is None:
-                inf.scheduled_at = news.began
-            generated = len(inf.generated_ids) - (token is not None)
-            self._record(inf, "prefill", at=news.record.started_at, generated=generated)
+        if inference.phase == "admitted":  # as of the step's start, before its token (if any) was appended
+            if inference.scheduled_at is None:
+                inference.scheduled_at = news.began
+            generated = len(inference.generated_ids) - (token is not None)
+            self._record(inference, "prefill", at=news.record.started_at, generated=generated)
         if token is not None:  # the token that ends a prefill (or a recomputation after a preemption)
-            self._record(inf, "decoding")
+            self._record(inference, "decoding")
 
     def _record_preemptions(self, active: Collection[Inference], step: StepRecord) -> None:
         """Preempted sequences went back to the queue while this step was scheduled."""
         self._preemptions_seen = self.engine.scheduler.num_preemptions
-        for inf in active:
-            if inf.seq.num_preemptions != inf.preemptions_seen:
-                inf.preemptions_seen = inf.seq.num_preemptions
-                self._record(inf, "preempted", at=step.started_at)
+        for inference in active:
+            if inference.seq.num_preemptions != inference.preemptions_seen:
+                inference.preemptions_seen = inference.seq.num_preemptions
+                self._record(inference, "preempted", at=step.started_at)
 
     # --- each answer -------------------------------------------------------------------------------
-    def on_answer(self, inf: Inference) -> None:
-        """An inference ended (`inf.finish()` done) and is about to be answered."""
-        self.live.answered(inf)
-        if inf.error is None:
-            self._record(inf, "finished", ttft_s=inf.ttft_s, latency_s=inf.latency_s)
+    def on_answer(self, inference: Inference) -> None:
+        """An inference ended (`inference.finish()` done) and is about to be answered."""
+        self.live.answered(inference)
+        if inference.error is None:
+            self._record(inference, "finished", ttft_s=inference.ttft_s, latency_s=inference.latency_s)
         else:
-            self._record(inf, "cancelled" if inf.error == "cancelled" else "failed")
+            self._record(inference, "cancelled" if inference.error == "cancelled" else "failed")
 
     def _record(
-        self, inf: Inference, kind: str, at: float | None = None, generated: int | None = None, **ending: float | None
+        self,
+        inference: Inference,
+        kind: str,
+        at: float | None = None,
+        generated: int | None = None,
+        **ending: float | None,
     ) -> None:
-        """A request event (now, unless `at`); `inf.phase` follows it (the loop's view of the request)."""
-        generated = len(inf.generated_ids) if generated is None else generated
-        constraint = inf.seq.params.constraint
+        """A request event (now, unless `at`); `inference.phase` follows it (the loop's view of the request)."""
+        generated = len(inference.generated_ids) if generated is None else generated
+        constraint = inference.seq.params.constraint
         constraint_kind = constraint.constraint.kind if constraint is not None else None
-        lora = inf.lora.name if inf.lora is not None else None
+        lora = inference.lora.name if inference.lora is not None else None
         self.events.record(
-            inf.seq.seq_id, kind, inf.seq.num_prompt_tokens, generated, at, constraint_kind, lora, **ending
+            inference.seq.seq_id, kind, inference.seq.num_prompt_tokens, generated, at, constraint_kind, lora, **ending
         )
-        inf.phase = PHASE_AFTER[kind] or kind
+        inference.phase = PHASE_AFTER[kind] or kind
 
     # --- readers (request threads) -----------------------------------------------------------------
     def finished_steps(self) -> list[StepRecord]:

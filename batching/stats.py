@@ -29,8 +29,8 @@ def summary(values: list[float]) -> dict[str, float | None]:
     return {"mean": sum(ordered) / len(ordered), "p50": pct(0.5), "p99": pct(0.99)}
 
 
-def outcome(inf: Inference) -> str:
-    return "ok" if inf.error is None else "cancelled" if inf.error == "cancelled" else "error"
+def outcome(inference: Inference) -> str:
+    return "ok" if inference.error is None else "cancelled" if inference.error == "cancelled" else "error"
 
 
 class Stats:
@@ -61,21 +61,21 @@ class Stats:
             self.prompt_tokens += prompt
             self.tokens_generated += generated
 
-    def record(self, inf: Inference) -> None:
+    def record(self, inference: Inference) -> None:
         """One answered inference."""
         with self._lock:
-            self.outcomes[outcome(inf)] += 1
-            if inf.error:
+            self.outcomes[outcome(inference)] += 1
+            if inference.error:
                 return
-            reason = inf.finish_reason or "length"  # a prompt-only inference ends without generating
+            reason = inference.finish_reason or "length"  # a prompt-only inference ends without generating
             self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
-            n = len(inf.generated_ids)
-            self._ttft.append(inf.ttft_s)
-            self._latency.append(inf.latency_s)
+            n = len(inference.generated_ids)
+            self._ttft.append(inference.ttft_s)
+            self._latency.append(inference.latency_s)
             if n:  # an echo of the prompt alone (max_tokens 0) generates nothing
-                self._latency_per_token.append(inf.latency_s / n)
+                self._latency_per_token.append(inference.latency_s / n)
             if n > 1:  # time per output token after the first, as serving benchmarks define it
-                self._tpot.append((inf.latency_s - inf.ttft_s) / (n - 1))
+                self._tpot.append((inference.latency_s - inference.ttft_s) / (n - 1))
 
     def busy_seconds(self) -> float:
         with self._lock:
