@@ -473,15 +473,17 @@ def test_a_request_a_full_replica_refuses_is_served_by_another(tiny_checkpoint, 
 
 @needs_haproxy
 def test_sigterm_stops_the_cluster_after_its_requests_finish(tiny_checkpoint, tmp_path):
-    proc, url = start_cluster(["1", "dynamic"], tmp_path, RUN_DIR=str(tmp_path), **replica_settings(tiny_checkpoint))
+    # a grace long enough for 400 tokens on a loaded machine: it bounds the wait, the request ends it
+    settings = {**replica_settings(tiny_checkpoint), "SHUTDOWN_GRACE_S": "120"}
+    proc, url = start_cluster(["1", "dynamic"], tmp_path, RUN_DIR=str(tmp_path), **settings)
     port = int(url.rsplit(":", 1)[1])
     try:
         with ThreadPoolExecutor(1) as pool:
             body = {"prompt": "Keep going", "num_tokens": 400, "temperature": 0}
-            running = pool.submit(requests.post, f"{url}/inference", json=body, timeout=120)
+            running = pool.submit(requests.post, f"{url}/inference", json=body, timeout=240)
             poll(lambda: requests.get(f"{url}/stats", timeout=10).json()["requests_running"] == 1, 30, "never ran")
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+            proc.wait(timeout=200)
             assert running.result().status_code == 200  # the replica finished it before going
         for p in (port, port + 1):  # HAProxy and the replica are gone
             with pytest.raises(requests.ConnectionError):
