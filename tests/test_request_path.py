@@ -16,10 +16,15 @@ CONSTRUCTION = frozenset({"__init__", "__post_init__", "__new__"})
 
 
 def _project_file(frame) -> str | None:
+    """The project's own source file the frame runs in; None for the tests and for libraries, also those of a
+    virtual environment inside the checkout (.venv/, as CI makes it)."""
     path = Path(frame.f_code.co_filename)
-    if not path.is_relative_to(ROOT) or path.is_relative_to(ROOT / "tests"):
+    if not path.is_relative_to(ROOT):
         return None
-    return path.relative_to(ROOT).as_posix()
+    parts = path.relative_to(ROOT).parts
+    if parts[0] == "tests" or any(p.startswith(".") or p == "site-packages" for p in parts):
+        return None
+    return "/".join(parts)
 
 
 def _is_property(frame) -> bool:
