@@ -9,6 +9,13 @@
 #                                                    #   steps, saturate with Python's GIL switch interval and
 #                                                    #   0.5 ms, static and dynamic, seed-like (40), the servers'
 #                                                    #   tests
+#   bash benchmarks/gpu_suite.sh one-by-one          # one call: the CUDA tests (servers at a 7-token budget too),
+#                                                    #   decode steps and saturate with the kernel and graphs
+#                                                    #   off, the kernel alone, both; seed-like (40)
+#   bash benchmarks/gpu_suite.sh base COMMIT         # here: COMMIT's tree into .base/, for host-ab (carry it too)
+#   bash benchmarks/gpu_suite.sh host-ab             # one call: saturate, this tree against .base/ in turns (128
+#                                                    #   requests thrice, 512 once), 512 with SWITCH_INTERVAL_MS,
+#                                                    #   seed-like (40); the graphs' tests first, the benchmark's last
 #   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
 #   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
 #                                                    #   kernel's knobs swept
@@ -157,6 +164,49 @@ tuned() {  # ~6.5 minutes at most
   archive tuned saturate-512 saturate-512-switch saturate-batched seed-like-dynamic
 }
 
+one_by_one() {  # ~9 minutes at most: correctness first, then each change's effect alone
+  step versions 20 "$PY" -c "import sys, torch, triton, transformers as t; print(sys.version, 'torch', torch.__version__,
+torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__, 'transformers', t.__version__)"
+  step cuda-kernel-model 90 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider \
+    tests/test_triton_attention.py tests/test_half_precision.py tests/test_model.py tests/test_forks.py \
+    tests/test_prefix_cache.py tests/test_chunked_prefill.py tests/test_prompt_logprobs.py
+  # every mode through real servers with a 7-token step budget: prompts in chunks, decodes from graphs
+  step cuda-servers-budget-7 150 env DTYPE=float32 MAX_BATCH_TOKENS=7 "$PY" -m pytest -q -ra -p no:cacheprovider \
+    tests/test_server.py -k "transformers or alone or stopped or missing_baseline" tests/test_benchmark_safety.py
+  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200 --steps 20)
+  step decode-both 30 "${decode[@]}" --profile
+  step decode-kernel 30 env CUDA_GRAPHS=off "${decode[@]}"
+  step decode-neither 30 env ATTENTION_BACKEND=reference CUDA_GRAPHS=off "${decode[@]}"
+  local common=(--workload saturate --numsamples 128 --modes dynamic)
+  benchmark saturate-both 60 -- --workload saturate --numsamples 128 --modes static,dynamic
+  benchmark saturate-kernel 35 CUDA_GRAPHS=off -- "${common[@]}"
+  benchmark saturate-neither 45 ATTENTION_BACKEND=reference CUDA_GRAPHS=off -- "${common[@]}"
+  benchmark seed-like-dynamic 65 -- --workload seed-like --numsamples 40 --modes dynamic
+  archive one-by-one saturate-both saturate-kernel saturate-neither seed-like-dynamic
+}
+
+host_ab() {  # ~7.5 minutes at most: a change to the server's host side against the tree before it, in turns
+  [ -f .base/client/benchmark.py ] || { echo "no .base/: bash benchmarks/gpu_suite.sh base COMMIT, then carry .base" >&2; return 1; }
+  local runs=() name n
+  step cuda-graphs 60 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_model.py tests/test_forks.py
+  for n in 128 128 128 512; do
+    for tree in after before; do
+      name=saturate-$n-$tree-${#runs[@]}
+      if [ $tree = after ]; then
+        benchmark "$name" 45 -- --workload saturate --numsamples $n --modes dynamic
+      else  # the same benchmark from the tree before, its results here
+        step "$name" 45 env -C .base MODEL="${MODEL:-random:gpt2-medium}" "$PY" client/benchmark.py --workload saturate \
+          --numsamples $n --modes dynamic --report --out "$ROOT/$RESULTS/$name"
+      fi
+      runs+=("$name")
+    done
+  done
+  benchmark saturate-512-after-switch 45 SWITCH_INTERVAL_MS=0.5 -- --workload saturate --numsamples 512 --modes dynamic
+  benchmark seed-like-dynamic 65 -- --workload seed-like --numsamples 40 --modes dynamic
+  step benchmark-safety 60 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_benchmark_safety.py
+  archive host-ab "${runs[@]}" saturate-512-after-switch seed-like-dynamic
+}
+
 tune() {
   local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200)
   step decode-triton 150 "${decode[@]}" --profile
@@ -192,11 +242,12 @@ seed_like_baselines() {
   archive seed-like-baselines seed-like-baselines
 }
 
-[ $# -gt 0 ] || { sed -n '2,17p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
-    first-light | tuned | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    base) shift; rm -rf .base && mkdir .base && git archive "$1" | tar -x -C .base && rm -rf .base/docs && echo ".base: $1"; exit ;;
+    first-light | tuned | one-by-one | host-ab | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels

@@ -86,7 +86,9 @@ def test_a_missing_baseline_package_is_refused_before_any_server_starts(tiny_che
     shim = tmp_path / "shim" / "transformers"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError('transformers is not installed here')\n")
-    env = {**os.environ, "MODEL": str(tiny_checkpoint), "PYTHONPATH": str(shim.parent)}
+    # the shim first, before whatever PYTHONPATH already holds (where the other packages may be installed)
+    path = os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "MODEL": str(tiny_checkpoint), "PYTHONPATH": path}
     argv = ["--workload", "saturate", "--numsamples", "2", "--mean-tokens", "2", "--modes", "dynamic"]
     run = subprocess.run(
         [*BENCHMARK, *argv, "--baseline", "transformers-cb", "--out", str(tmp_path / "out")],
