@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from dotenv import load_dotenv
 
 MODES = ("nobatch", "static", "dynamic")
+ATTENTION_BACKENDS = ("auto", "reference", "triton", "cpu")
 ENGINES = ("gpt2", "sim")
 # gunicorn's threads beyond one per admitted request: what /health, /stats and a full queue's 503 find free.
 SPARE_THREADS = 32
@@ -35,7 +36,7 @@ class EngineSettings:
     kv_cache_blocks: int = 0  # > 0 overrides kv_cache_gb (tests, tiny pools)
     block_size: int = 16
     prefix_cache: bool = True
-    attention_backend: str = "auto"  # auto: triton on CUDA when installed, else reference
+    attention_backend: str = "auto"  # auto: triton on CUDA when installed, cpu on a CPU where it builds, else reference
     cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
     cpu_linear: str = "auto"  # matrix products on a CPU: auto (oneDNN in float32), onednn, aten (model/cpu_linear.py)
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
@@ -67,8 +68,8 @@ class EngineSettings:
             raise ValueError(f"SIM_NUM_GPUS must be at least 1, got {self.sim_num_gpus}")
         if self.max_batch_tokens < 0:
             raise ValueError(f"MAX_BATCH_TOKENS must be at least 1 (or 0 for the default), got {self.max_batch_tokens}")
-        if self.attention_backend not in ("auto", "reference", "triton"):
-            raise ValueError(f"ATTENTION_BACKEND must be auto, reference or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"ATTENTION_BACKEND must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off"):
             raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
         if self.cpu_linear not in ("auto", "onednn", "aten"):
@@ -289,10 +290,8 @@ def setting_fields() -> dict[str, type]:
 
 def _parse(raw: str, kind: type, name: str):
     if kind is bool:
-        if raw.lower() in ("1", "true", "on", "yes"):
-            return True
-        if raw.lower() in ("0", "false", "off", "no"):
-            return False
+        if raw.lower() in ("1", "true", "on", "yes", "0", "false", "off", "no"):
+            return raw.lower() in ("1", "true", "on", "yes")
         raise ValueError(f"{name.upper()} must be on or off, got {raw!r}")
     try:
         return kind(raw)

@@ -29,6 +29,7 @@ from config import EngineSettings
 from generate.engine import Engine, device_and_dtype
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
+from model import cpu_linear
 from model.gpt2 import GPT, PRESETS
 from model.loader import load_model
 
@@ -164,6 +165,8 @@ def main() -> None:
         sweep(config, batch_sizes, args.context, dtype, device, args.steps)
         return
     model = load_model(f"random:{args.model}", device, dtype).model
+    if cpu_linear.wanted(settings.cpu_linear, device, dtype):  # as the server does (Engine.from_settings)
+        cpu_linear.use_onednn(model)
     bandwidth = args.bandwidth or copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"{args.model} (random weights) on {name}, {dtype}, torch {torch.__version__}")
@@ -171,7 +174,8 @@ def main() -> None:
     for i, batch in enumerate(batch_sizes):
         engine, new_tokens = make_engine(model, settings, batch, args.context, args.steps)
         if i == 0:
-            print(f"attention: {engine.runner.attention}; CUDA graphs: {'on' if engine.runner.graphs else 'off'}")
+            graphs = "on" if engine.runner.graphs else "off"
+            print(f"attention: {engine.runner.attention}; CUDA graphs: {graphs}; CPU_LINEAR={settings.cpu_linear}")
             print(
                 "batch | context | step ms |   tok/s | floor ms | floor/step | schedule | build | forward | sample (ms)"
             )

@@ -14,7 +14,9 @@ from generate.sampler import Sampler
 from generate.sequence import Sequence
 from generate.step_input import build_step_inputs, reference_groups, upload
 from generate.step_log import StageClock
+from model import cpu_attention
 from model.attention import GatherSpace, PagedInputs, ReferenceAttention, StepAttention
+from model.cpu_attention import CpuAttention
 from model.gpt2 import GPT, StepBatch
 from model.lora_slots import LoraSlots, LoraStep
 
@@ -54,6 +56,7 @@ class ModelRunner:
         if self.on_gpu:
             model.pad_vocab(64)
         model.allocate_kv_cache(num_blocks + 1, block_size)
+        assert attention != "cpu" or cpu_attention.available(), cpu_attention.build_problem()
         if attention == "triton":
             self._warm_kernel(scratch_block=num_blocks)
         self.graphs: DecodeGraphs | None = None
@@ -93,15 +96,17 @@ class ModelRunner:
 
     @classmethod
     def from_settings(cls, model: GPT, num_blocks: int, settings: EngineSettings) -> "ModelRunner":
-        """ATTENTION_BACKEND auto: the Triton kernel on CUDA when triton is installed, else the reference.
-        CUDA_GRAPHS auto: decode steps from graphs whenever the kernel runs on CUDA."""
+        """ATTENTION_BACKEND auto: the Triton kernel on CUDA when triton is installed, the C++ kernel on a CPU
+        when it builds there, else the reference. CUDA_GRAPHS auto: decode steps from graphs whenever the
+        Triton kernel runs on CUDA."""
         device = model.wte.weight.device
         attention = settings.attention_backend
         head_dim = model.config.head_dim
         kernel_fits = head_dim & (head_dim - 1) == 0  # the kernel's tiles need a power of two (GPT-2's: 64)
         if attention == "auto":
-            usable = device.type == "cuda" and kernel_fits and importlib.util.find_spec("triton")
-            attention = "triton" if usable else "reference"
+            attention = _auto_attention(device, model.wte.weight.dtype, head_dim)
+        if attention == "cpu":
+            _check_cpu_kernel(device, model.wte.weight.dtype, head_dim)
         if attention == "triton" and not kernel_fits:
             raise ValueError(f"ATTENTION_BACKEND=triton needs a head dimension that is a power of two, not {head_dim}")
         if attention == "triton" and importlib.util.find_spec("triton") is None:
@@ -153,8 +158,28 @@ class ModelRunner:
         return self.lora_slots.step([slot.get(s.lora_id, -1) for s in seqs for _ in range(s.num_scheduled_tokens)])
 
     def _attention(self, seqs: list[Sequence], paged: PagedInputs) -> StepAttention:
+        if self.attention == "cpu":
+            return CpuAttention(paged)
         if self.attention == "triton":
             from model.triton_attention import TritonAttention  # only where triton is installed
 
             return TritonAttention(paged)
         return ReferenceAttention(reference_groups(seqs, self.block_size, self.device), self.space)
+
+
+def _auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    if device.type == "cuda":
+        usable = head_dim & (head_dim - 1) == 0 and importlib.util.find_spec("triton")
+        return "triton" if usable else "reference"
+    fits = device.type == "cpu" and cpu_attention.fits(dtype, head_dim)
+    return "cpu" if fits and cpu_attention.available() else "reference"
+
+
+def _check_cpu_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    if device.type != "cpu" or not cpu_attention.fits(dtype, head_dim):
+        raise ValueError(
+            f"ATTENTION_BACKEND=cpu runs on a CPU in float32 or bfloat16 with a head dimension of "
+            f"{', '.join(map(str, cpu_attention.HEAD_DIMS))}: not {device.type}, {dtype}, {head_dim}"
+        )
+    if not cpu_attention.available():
+        raise ValueError(f"ATTENTION_BACKEND=cpu: the kernel could not be built: {cpu_attention.build_problem()}")

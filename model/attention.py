@@ -5,7 +5,8 @@ by every layer: `attend(q, k_cache, v_cache)` returns each query row's attention
   reference  gathers each sequence's cache blocks into a dense buffer and attends with two
              batched matrix products and a mask: plain PyTorch, any device, the oracle;
   triton     (model/triton_attention.py) reads keys and values through the block tables in
-             place, with an online softmax: no gather, no padding to the longest context.
+             place, with an online softmax: no gather, no padding to the longest context;
+  cpu        (model/cpu_attention.py) the same in C++ on a CPU, built on first use.
 """
 
 import math
@@ -15,10 +16,19 @@ from typing import Protocol
 
 import torch
 
-BACKENDS = ("reference", "triton")
+BACKENDS = ("reference", "triton", "cpu")
 
 
 class StepAttention(Protocol):
+    def store(
+        self,
+        k_cache: torch.Tensor,  # [NB, bs, H, D] this layer's keys
+        v_cache: torch.Tensor,  # [NB, bs, H, D]
+        k: torch.Tensor,  # [T, H, D] the step's new keys
+        v: torch.Tensor,  # [T, H, D]
+        slots: torch.Tensor,  # [T] where each goes: block * bs + offset
+    ) -> None: ...
+
     def attend(
         self,
         q: torch.Tensor,  # [T, H, D] the step's queries, flat over sequences
@@ -51,6 +61,13 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Lq, Lk] True where the query may attend; Lk = nb * block size
     valid_rows: torch.Tensor | None  # [N] rows of the [B*Lq] padded output that are real (None: all)
     out_rows: torch.Tensor  # [N] the step's rows those outputs are
+
+
+def store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """The step's new keys and values into their cache slots (StepAttention.store), as indexed writes."""
+    _, _, H, D = k_cache.shape
+    k_cache.view(-1, H, D)[slots] = k  # [NB*bs, H, D] view of the cache
+    v_cache.view(-1, H, D)[slots] = v
 
 
 def paged_cache(
@@ -118,6 +135,7 @@ class GatherSpace:
 class ReferenceAttention:
     groups: list[AttentionGroup]  # their out_rows cover the step's rows 0..T-1, each once
     space: GatherSpace
+    store = staticmethod(store)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         outputs = [self._attend_group(q, k_cache, v_cache, group) for group in self.groups]

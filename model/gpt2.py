@@ -74,8 +74,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = with_lora(self.c_attn(x), x, batch, self.layer, "attn.c_attn").split(C, dim=1)  # 3 x [T, C]
         q = q.view(T, self.n_head, self.head_dim)  # [T, H, D]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, bs, H, D] each
-        k_cache.view(-1, self.n_head, self.head_dim)[batch.slot_mapping] = k.view(T, self.n_head, self.head_dim)
-        v_cache.view(-1, self.n_head, self.head_dim)[batch.slot_mapping] = v.view(T, self.n_head, self.head_dim)
+        shape = (T, self.n_head, self.head_dim)
+        batch.attention.store(k_cache, v_cache, k.view(shape), v.view(shape), batch.slot_mapping)
         y = batch.attention.attend(q, k_cache, v_cache)  # [T, C]
         return with_lora(self.c_proj(y), y, batch, self.layer, "attn.c_proj")  # [T, C]
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.attention import PagedInputs
+from model.attention import PagedInputs, store
 
 
 @triton.jit
@@ -103,6 +103,8 @@ def _paged_attention(
 
 class TritonAttention:
     """The step's attention through the Triton kernel; `paged` may be a CUDA graph's static buffers."""
+
+    store = staticmethod(store)
 
     def __init__(self, paged: PagedInputs, config: KernelConfig = DEFAULT):
         self.paged, self.config = paged, config

@@ -21,6 +21,12 @@ if not torch.cuda.is_available():
 # bfloat16 on CPUs that compute it natively: test_server.py checks that choice).
 os.environ.setdefault("DTYPE", "float32")
 
+# The CPU attention kernel (ATTENTION_BACKEND=auto's choice on a CPU) is built once, here, into torch's extension
+# cache, before any test or server it starts would each wait on the build.
+from model import cpu_attention  # noqa: E402
+
+cpu_attention.available()
+
 
 @pytest.fixture(autouse=True)
 def float32_by_default(monkeypatch):

@@ -31,6 +31,17 @@ def make_engine(checkpoint, num_blocks=256, block_size=4, attention="reference",
     return Engine(runner, num_blocks, settings, loaded.name)
 
 
+def check_greedy_under_pressure(engine: Engine, hf_greedy) -> None:
+    """Prompts sharing a prefix, chunked and preempted in a tight pool: every greedy output equals transformers'."""
+    (prefix,) = random_prompts([13], seed=31)
+    prompts = random_prompts([1, 30, 7, 50, 4, 18, 2], seed=32, prefix=prefix)
+    counts = [20, 9, 30, 12, 25, 16, 22]
+    outputs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in counts])
+    assert outputs == [hf_greedy(p, n) for p, n in zip(prompts, counts)]
+    assert engine.scheduler.num_preemptions > 0
+    engine.blocks.check_integrity([])
+
+
 def run_checked(engine: Engine, seqs: list[Sequence]) -> None:
     """Add the sequences and run the engine dry, checking every block's owners after every step."""
     for seq in seqs:

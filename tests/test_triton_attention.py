@@ -9,7 +9,7 @@ import pytest
 import torch
 from attention_oracle import LAYOUTS, SHAPES, D, H, dense_attention, random_cache, scheduled
 from conftest import random_prompts
-from test_model import make_engine
+from test_model import check_greedy_under_pressure, make_engine
 
 pytest.importorskip("triton", reason="the Triton kernel needs the triton package")
 
@@ -94,13 +94,7 @@ def test_greedy_output_through_the_kernel_equals_transformers(tiny_checkpoint, h
         max_batch_size=6,  # a ladder of 1, 2, 4, 6
         prefix_cache=prefix_cache,
     )
-    (prefix,) = random_prompts([13], seed=31)
-    prompts = random_prompts([1, 30, 7, 50, 4, 18, 2], seed=32, prefix=prefix)
-    counts = [20, 9, 30, 12, 25, 16, 22]
-    outputs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in counts])
-    assert outputs == [hf_greedy(p, n) for p, n in zip(prompts, counts)]
-    assert engine.scheduler.num_preemptions > 0
-    engine.blocks.check_integrity([])
+    check_greedy_under_pressure(engine, hf_greedy)
     decode_steps = [r for r in engine.step_log.since(0) if r.num_prefills == 0]
     assert len(decode_steps) > 10
     if graphs != "off":  # every pure decode step ran from the static buffers (or their graphs)
@@ -117,7 +111,7 @@ def test_backend_and_graphs_follow_the_settings_and_the_device():
         return ModelRunner.from_settings(model, 8, EngineSettings(block_size=4, **settings))
 
     on_cpu = runner(32)
-    assert on_cpu.attention == "reference" and on_cpu.graphs is None  # auto: the kernel is for CUDA
+    assert on_cpu.attention in ("cpu", "reference") and on_cpu.graphs is None  # auto: the Triton kernel is for CUDA
     if not torch.cuda.is_available():  # a model on CPU runs the kernel under the interpreter only
         assert runner(32, attention_backend="triton").attention == "triton"
     with pytest.raises(ValueError, match="power of two, not 48"):

@@ -1,0 +1,63 @@
+"""The C++ paged-attention kernel for CPUs against attention written from scratch, and the engine through it
+against transformers."""
+
+import pytest
+import torch
+from attention_oracle import LAYOUTS, SHAPES, D, H, dense_attention, random_cache, scheduled
+from test_model import check_greedy_under_pressure, make_engine
+
+from config import EngineSettings
+from generate.model_runner import ModelRunner
+from generate.step_input import build_step_inputs
+from model import cpu_attention
+from model.gpt2 import GPT, GPTConfig
+
+if not cpu_attention.available():
+    pytest.skip(f"the kernel does not build here: {cpu_attention.build_problem()}", allow_module_level=True)
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize("dtype", TOLERANCE)
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_equals_dense_attention(shapes, dtype, block_size, layout):
+    seqs = scheduled(block_size, num_blocks=600, shapes=SHAPES[shapes], seed=len(shapes))
+    gen = torch.Generator().manual_seed(0)
+    caches = [random_cache(layout, 600, block_size, gen).to(dtype) for _ in range(2)]
+    rows = sum(s.num_scheduled_tokens for s in seqs)
+    q = torch.randn((rows, 3 * H * D), generator=gen).to(dtype)[:, : H * D].view(rows, H, D)  # strided, as the model's
+    expected = dense_attention(q, *caches, seqs, block_size)
+    got = cpu_attention.CpuAttention(build_step_inputs(seqs, block_size, CPU).paged).attend(q, *caches)
+    torch.testing.assert_close(got.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_greedy_output_through_the_kernel_equals_transformers(tiny_checkpoint, hf_greedy, prefix_cache):
+    engine = make_engine(
+        tiny_checkpoint,
+        num_blocks=40,  # tight: sequences are preempted and recomputed
+        block_size=4,
+        attention="cpu",
+        max_batch_tokens=24,  # prompts are chunked, and chunks share steps with decodes
+        prefix_cache=prefix_cache,
+    )
+    check_greedy_under_pressure(engine, hf_greedy)
+
+
+def runner(n_embd: int, dtype: torch.dtype = torch.float32, **settings) -> ModelRunner:
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=n_embd, n_positions=64, vocab_size=100)).to(dtype)
+    return ModelRunner.from_settings(model, 8, EngineSettings(block_size=4, **settings))
+
+
+def test_auto_takes_the_kernel_on_a_cpu_where_it_fits():
+    assert runner(32).attention == "cpu"  # head dimension 16
+    assert runner(32, torch.bfloat16).attention == "cpu"
+    assert runner(96).attention == "reference"  # 48 is not compiled in
+    assert runner(32, attention_backend="reference").attention == "reference"
+    with pytest.raises(ValueError, match="head dimension of 8, 16, 32, 64, 128: not cpu, torch.float32, 48"):
+        runner(96, attention_backend="cpu")
+    with pytest.raises(ValueError, match="not cpu, torch.float16, 16"):
+        runner(32, torch.float16, attention_backend="cpu")
