@@ -31,14 +31,6 @@ inline float dot(const float* __restrict__ q, const T* __restrict__ k) {
   return sum;
 }
 
-// The next block's tile, while this one is read: a block is a page of its own, where the hardware's own
-// prefetcher stops, so each block would otherwise start with a wait on memory.
-template <typename T>
-inline void prefetch(const T* tile, int64_t elements) {
-  const char* p = reinterpret_cast<const char*>(tile);
-  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(p + offset);
-}
-
 // f(begin, end) over [0, n) in chunks taken in turn by this thread and torch's inter-op pool: at::parallel_for
 // would run serially here (its OpenMP loop is compiled into the caller, and this file is built without OpenMP).
 template <typename F>
@@ -77,7 +69,6 @@ void attend_row(const Layout& L, const T* q, const T* kp, const T* vp, const int
   for (int64_t start = 0; start < keys; start += L.bs) {
     const T* k = kp + table[start / L.bs] * L.k_nb;
     const int64_t n = std::min(L.bs, keys - start);
-    if (start + L.bs < keys) prefetch(kp + table[start / L.bs + 1] * L.k_nb, L.bs * L.k_t);
     for (int64_t i = 0; i < n; ++i) top = std::max(top, scores[start + i] = dot<T, D>(qf, k + i * L.k_t));
   }
   float total = 0;
@@ -86,7 +77,6 @@ void attend_row(const Layout& L, const T* q, const T* kp, const T* vp, const int
   for (int64_t start = 0; start < keys; start += L.bs) {
     const T* v = vp + table[start / L.bs] * L.v_nb;
     const int64_t n = std::min(L.bs, keys - start);
-    if (start + L.bs < keys) prefetch(vp + table[start / L.bs + 1] * L.v_nb, L.bs * L.v_t);
     for (int64_t i = 0; i < n; ++i) {
       const float p = scores[start + i];
       const T* row = v + i * L.v_t;

@@ -39,7 +39,8 @@ def build_problem() -> str | None:
         )
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
         log.warning("the CPU attention kernel could not be built (%s): the reference backend it is", err)
-        return f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        last = (str(err).strip().splitlines() or [""])[-1]  # a failed build's message ends with its cause
+        return f"{type(err).__name__}: {last}"
     return None
 
 
