@@ -176,6 +176,9 @@ class Settings:
     # How long a thread holding the GIL keeps it from one that waits (sys.setswitchinterval): the engine's loop
     # takes the GIL back after every device copy and wait, while request threads stream tokens; 0: Python's 5 ms
     switch_interval_ms: float = 0.0
+    # Streaming: tokens per streamed event after the first, as vLLM's --stream-interval (a request's own
+    # `stream_interval` may raise it); more per event wakes fewer request threads, so less Python per step
+    stream_interval: int = 1
     engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
     engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
     max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
@@ -197,6 +200,8 @@ class Settings:
             raise ValueError("MAX_WAITING_TOKENS and TTFT_TARGET_S must be at least 0 (0: off)")
         if self.switch_interval_ms < 0:
             raise ValueError(f"SWITCH_INTERVAL_MS must be at least 0 (0: Python's), got {self.switch_interval_ms}")
+        if self.stream_interval < 1:
+            raise ValueError(f"STREAM_INTERVAL must be at least 1, got {self.stream_interval}")
         if self.front_door.limit_by == "key" and not (self.api_key or self.api_keys_file):
             raise ValueError("LIMIT_BY=key counts requests by their API key: set API_KEY or API_KEYS_FILE")
 

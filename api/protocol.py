@@ -79,6 +79,7 @@ class SamplingRequest(Sampling):
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    stream_interval: int | None = Field(None, ge=1)  # vLLM's: tokens per streamed event, at least STREAM_INTERVAL
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)

@@ -58,6 +58,7 @@ class Generation(NamedTuple):
     model: str  # the "model" of the response: the adapter's name, or the base model's
     stream: bool
     include_usage: bool  # streaming: a last event with the token counts
+    stream_interval: int  # streaming: tokens per event after the first (the server's STREAM_INTERVAL or more)
     return_token_ids: bool  # vLLM's: token ids beside the text (prompt_token_ids, token_ids)
 
 
@@ -108,17 +109,19 @@ def to_generation(
     request_stop = (extras.stop,) if isinstance(extras.stop, str) else tuple(extras.stop or ())
     include_usage = extras.stream_options is not None and extras.stream_options.include_usage
     model = engine.model_name if lora is None else lora.name
+    stream_interval = max(extras.stream_interval or 1, served.settings.stream_interval)
     return Generation(
         served, prompts, params, extras.n, request_stop + stop, body.priority, tenant, lora, model, extras.stream,
-        include_usage, extras.return_token_ids,
+        include_usage, stream_interval, extras.return_token_ids,
     )  # fmt: skip
 
 
 def _check_lengths(extras: SamplingRequest, max_tokens: int, field: str, context: int) -> None:
     if extras.min_tokens > context:
         raise bad(f"'min_tokens' must be at most {context}, got {extras.min_tokens}", "min_tokens")
-    if extras.stream_options is not None and not extras.stream:
-        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+    for name in ("stream_options", "stream_interval"):
+        if getattr(extras, name) is not None and not extras.stream:
+            raise bad(f"'{name}' is only allowed with 'stream': true", name)
     if max_tokens > context:
         raise bad(f"'{field}' must be at most {context}, got {max_tokens}", field)
     if extras.min_tokens > max_tokens:

@@ -68,6 +68,7 @@ def submit(generation: Generation, streamed: bool) -> Submitted:
                 own,
                 text=TextStream(generation.server.tokenizer, generation.stop),
                 chunks=chunks,
+                stream_interval=generation.stream_interval,
                 index=len(completions),
                 fork_of=leader,
                 priority=generation.priority,

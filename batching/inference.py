@@ -32,6 +32,8 @@ class Inference:
     text: TextStream | None = None  # when the caller wants text (and stop strings) as tokens arrive
     # Streaming: deltas, then this inference once answered; the completions of a request share one queue.
     chunks: "queue.SimpleQueue[Chunk] | None" = None
+    stream_interval: int = 1  # streaming: a delta once this many tokens since the last one (the first goes at once)
+    streamed_tokens: int = 0  # tokens up to the last delta
     index: int = 0  # which completion of its request
     fork_of: InitVar["Inference | None"] = None  # a completion of the same prompt added just before this one
     priority: int = 0  # lower is more urgent (generate/priority.py)
@@ -76,6 +78,11 @@ class Inference:
     @property
     def latency_s(self) -> float | None:
         return None if self.finished_at is None else self.finished_at - self.arrival
+
+    def stream_due(self) -> bool:
+        """Whether its released text may go out now: the first at once (its time to first token), then once
+        `stream_interval` tokens have come since the last delta (vLLM's rule); a completion's end always goes."""
+        return self.streamed_tokens == 0 or self.seq.num_generated - self.streamed_tokens >= self.stream_interval
 
     def finish(self, error: str | None = None) -> None:
         """Record that it ended, and when; `answer()` then wakes the request thread."""

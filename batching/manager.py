@@ -248,9 +248,9 @@ class BatchingManager:
 
     @staticmethod
     def _deliver(inference: Inference, token: int | None, finished: bool, news: StepNews) -> None:
-        """The text a step released, to a streaming client (a completion's last delta always goes).
-        Sequences end in the engine (Sequence.append decides, stop strings included); here they are
-        only answered."""
+        """The text a step released, to a streaming client: the first at once, then every `stream_interval`
+        tokens, and a completion's last delta always. Sequences end in the engine (Sequence.append decides,
+        stop strings included); here they are only answered."""
         news.delivered.append((inference, token))
         if token is None and not finished:  # a prompt chunk short of the prompt's end
             return
@@ -261,8 +261,11 @@ class BatchingManager:
             return
         if finished:
             inference.text.finish()
+        elif not inference.stream_due():
+            return  # its text waits in the text stream for the next delta
         piece = inference.text.take()
         if inference.chunks is not None and (piece or finished):
+            inference.streamed_tokens = inference.seq.num_generated
             inference.chunks.put(
                 Delta(
                     inference.index, piece, inference.seq.num_generated, inference.finish_reason if finished else None

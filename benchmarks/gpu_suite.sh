@@ -16,6 +16,12 @@
 #   bash benchmarks/gpu_suite.sh host-ab             # one call: saturate, this tree against .base/ in turns (128
 #                                                    #   requests thrice, 512 once), 512 with SWITCH_INTERVAL_MS,
 #                                                    #   seed-like (40); the graphs' tests first, the benchmark's last
+#   bash benchmarks/gpu_suite.sh stream-interval     # one call: the CUDA tests (kernel and model), saturate with
+#                                                    #   STREAM_INTERVAL 1, 8 and 32 in turns (128 requests twice,
+#                                                    #   512 once), transformers' two baselines (128)
+#   bash benchmarks/gpu_suite.sh stream-interval-2   # one call: saturate (128) with STREAM_INTERVAL 16 and 32 in
+#                                                    #   turns, 32 with SWITCH_INTERVAL_MS=0.5 (128, 512), seed-like
+#                                                    #   (40) at 32, nobatch (128)
 #   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
 #   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
 #                                                    #   kernel's knobs swept
@@ -207,6 +213,39 @@ host_ab() {  # ~7.5 minutes at most: a change to the server's host side against 
   archive host-ab "${runs[@]}" saturate-512-after-switch seed-like-dynamic
 }
 
+stream_interval() {  # ~9 minutes at most: tokens per streamed event against the host's Python, in turns
+  step cuda-kernel-model 100 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider \
+    tests/test_triton_attention.py tests/test_half_precision.py tests/test_model.py tests/test_forks.py \
+    tests/test_prefix_cache.py tests/test_chunked_prefill.py tests/test_prompt_logprobs.py
+  local runs=() n interval name
+  for n in 128 128 512; do
+    for interval in 1 8 32; do
+      name=saturate-$n-interval-$interval-${#runs[@]}
+      benchmark "$name" $((n == 128 ? 30 : 40)) STREAM_INTERVAL=$interval -- --workload saturate --numsamples $n \
+        --modes dynamic
+      runs+=("$name")
+    done
+  done
+  benchmark saturate-baselines 120 -- --workload saturate --numsamples 128 --modes none \
+    --baseline transformers,transformers-cb
+  archive stream-interval "${runs[@]}" saturate-baselines
+}
+
+stream_interval_2() {  # ~6 minutes at most
+  local runs=() interval name common=(--workload saturate --modes dynamic)
+  for interval in 16 32 16 32; do
+    name=saturate-128-interval-$interval-${#runs[@]}
+    benchmark "$name" 30 STREAM_INTERVAL=$interval -- "${common[@]}" --numsamples 128
+    runs+=("$name")
+  done
+  benchmark saturate-128-interval-32-switch 30 STREAM_INTERVAL=32 SWITCH_INTERVAL_MS=0.5 -- "${common[@]}" --numsamples 128
+  benchmark saturate-512-interval-32-switch 40 STREAM_INTERVAL=32 SWITCH_INTERVAL_MS=0.5 -- "${common[@]}" --numsamples 512
+  benchmark seed-like-interval-32 70 STREAM_INTERVAL=32 -- --workload seed-like --numsamples 40 --modes dynamic
+  benchmark saturate-nobatch 90 -- --workload saturate --numsamples 128 --modes nobatch
+  archive stream-interval-2 "${runs[@]}" saturate-128-interval-32-switch saturate-512-interval-32-switch \
+    seed-like-interval-32 saturate-nobatch
+}
+
 tune() {
   local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200)
   step decode-triton 150 "${decode[@]}" --profile
@@ -242,12 +281,12 @@ seed_like_baselines() {
   archive seed-like-baselines seed-like-baselines
 }
 
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,34p' "$0"; exit 2; }
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
     base) shift; rm -rf .base && mkdir .base && git archive "$1" | tar -x -C .base && rm -rf .base/docs && echo ".base: $1"; exit ;;
-    first-light | tuned | one-by-one | host-ab | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels

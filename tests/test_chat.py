@@ -50,10 +50,12 @@ def test_greedy_reply_equals_transformers_on_the_transcript(client, model, hf_gr
     assert result.usage.prompt_tokens == len(TOKENIZER.encode(TRANSCRIPT))
 
 
-def test_streamed_reply_joins_to_the_whole_one(client, model):
+@pytest.mark.parametrize("interval", [None, 3])  # vLLM's stream_interval: the same reply in fewer events
+def test_streamed_reply_joins_to_the_whole_one(client, model, interval):
     args = dict(max_tokens=20, temperature=0.9, seed=4, n=2, stream_options={"include_usage": True})
     whole = chat(client, model, **{k: v for k, v in args.items() if k != "stream_options"})
-    chunks = list(chat(client, model, stream=True, **args))
+    extra = {"extra_body": {"stream_interval": interval}} if interval else {}
+    chunks = list(chat(client, model, stream=True, **args, **extra))
     *events, usage = chunks
     assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -118,6 +120,7 @@ def test_stop_strings_and_max_tokens(client, model):
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "extra_body": {"stream_interval": 0}}, "stream_interval"),
     ],
 )
 def test_bad_requests_raise_bad_request_error_naming_the_field(client, model, kwargs, param):

@@ -87,6 +87,25 @@ def test_streamed_events_join_to_the_decoded_tokens(url):
     assert "".join(pieces) == TOKENIZER.decode(ids.json()["token_ids"])
 
 
+def streamed_choices(url: str, **fields) -> list[dict]:
+    """Every text event's choice of a greedy stream of 23 tokens, each with the ids of its tokens."""
+    body = {"prompt": PROMPT, "max_tokens": 23, "temperature": 0, "stream": True, "ignore_eos": True}
+    body |= {"return_token_ids": True, **fields}
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith(b"data: {")]
+    return [json.loads(line.removeprefix(b"data: "))["choices"][0] for line in lines]
+
+
+def test_stream_interval_sends_the_first_text_at_once_then_that_many_tokens_an_event(url):
+    each, fives = streamed_choices(url), streamed_choices(url, stream_interval=5)
+    for field in ("text", "token_ids"):  # the same stream, in fewer events
+        assert [x for c in fives for x in c[field]] == [x for c in each for x in c[field]]
+    counts = [len(c["token_ids"]) for c in fives]
+    assert counts[0] == len(each[0]["token_ids"])  # as soon as the first text is out, as without an interval
+    assert all(n >= 5 for n in counts[1:-1]) and sum(counts) == 23, counts
+    assert fives[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in fives[:-1])
+
+
 def test_stop_string_ends_the_text_before_it(client, model):
     full = complete(client, model, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
     stop = full[15:19]
@@ -134,6 +153,9 @@ def test_seeded_sampling_is_reproducible(client, model):
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without streaming
         ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
         ({"stream": True, "stream_options": {"other": True}}, "stream_options"),
+        ({"extra_body": {"stream_interval": 4}}, "stream_interval"),  # without streaming
+        ({"stream": True, "extra_body": {"stream_interval": 0}}, "stream_interval"),
+        ({"stream": True, "extra_body": {"stream_interval": "4"}}, "stream_interval"),
     ],
 )
 def test_bad_requests_raise_bad_request_error(client, model, kwargs, param):

@@ -74,6 +74,7 @@ FIELDS = {
     "repetition_penalty": PENALTY,
     "stream": st.booleans() | JSON,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | JSON}) | JSON,
+    "stream_interval": st.integers(-1, 3) | JSON,
     "suffix": st.text(max_size=3),
     "user": st.text(max_size=5) | JSON,
     "model": st.text(max_size=10) | JSON,

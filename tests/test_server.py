@@ -1,5 +1,6 @@
 """End to end: the real ./server.sh (gunicorn) serving a checkpoint written by transformers."""
 
+import json
 import random
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -198,6 +199,21 @@ def test_no_settings_serves_random_gpt2_medium_and_says_so(tmp_path):
     assert stats["model"] == "random:gpt2-medium"
     (log,) = tmp_path.glob("server-*.log")
     assert "SERVING RANDOM GPT2-MEDIUM WEIGHTS" in log.read_text()
+
+
+def test_stream_interval_setting_is_a_floor_for_every_stream_and_zero_is_refused(make_app):
+    from config import Settings
+
+    with pytest.raises(ValueError, match="STREAM_INTERVAL"):
+        Settings(stream_interval=0)
+    app, manager = make_app(stream_interval=4)
+    body = {"prompt": "Hello", "max_tokens": 14, "stream": True, "ignore_eos": True, "return_token_ids": True}
+    for asked in ({}, {"stream_interval": 2}):  # a request asking for fewer still gets the server's 4
+        response = app.test_client().post("/v1/completions", json=body | asked)
+        events = response.get_data(as_text=True).split("\n\n")
+        counts = [len(json.loads(e[6:])["choices"][0]["token_ids"]) for e in events if e.startswith("data: {")]
+        assert sum(counts) == 14 and all(n >= 4 for n in counts[1:-1]), counts
+        assert len(counts) <= 1 + -(-13 // 4), counts  # the first, then one per 4 tokens (the last may be short)
 
 
 def test_switch_interval_ms_sets_the_gil_switch_interval_and_a_negative_one_is_refused(make_app):
