@@ -30,7 +30,7 @@ class EngineSettings:
     dtype: str = ""  # empty: generate.engine.default_dtype; ENGINE=sim: the simulated model's (16-bit)
     seed: int = 0  # seed of random:<name> weights
     max_batch_size: int = 256
-    max_batch_tokens: int = 0  # per-step token budget; 0: 256 on CPU, 2048 on CUDA and simulated GPUs
+    max_batch_tokens: int = 0  # per-step token budget; 0: 1024 on CPU, 2048 on CUDA and simulated GPUs
     chunked_prefill: bool = True  # off: a prompt is prefilled in one step, so the budget must cover a context
     kv_cache_gb: float = 0.0  # 0: kvcache.pool_size.default_budget_bytes (4 GB or half the free memory on cpu)
     kv_cache_blocks: int = 0  # > 0 overrides kv_cache_gb (tests, tiny pools)
@@ -90,10 +90,12 @@ class EngineSettings:
             raise ValueError("MAX_LORAS, MAX_LORA_RANK and MAX_CPU_LORAS must be at least 1")
 
     def batch_token_budget(self, on_gpu: bool, max_context: int) -> int:
-        """MAX_BATCH_TOKENS, or its default for the device: small on a CPU, where a step's cost grows
-        with its tokens from the first one, large on a GPU, where a step costs about the same up to
-        thousands of tokens. Unchunked, it must cover a whole context, so the default grows to one."""
-        budget = self.max_batch_tokens or (2048 if on_gpu else 256)
+        """MAX_BATCH_TOKENS, or its default for the device: smaller on a CPU, where a step's cost grows
+        with its tokens from the first one (1024: vLLM's throughput and a lower time to first token at
+        half its 2048's inter-token tail, docs/benchmarks.md), large on a GPU, where a step costs about
+        the same up to thousands of tokens. Unchunked, it must cover a whole context, so the default
+        grows to one."""
+        budget = self.max_batch_tokens or (2048 if on_gpu else 1024)
         if self.chunked_prefill:
             return budget
         if self.max_batch_tokens and budget < max_context:

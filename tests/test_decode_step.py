@@ -12,16 +12,18 @@ from conftest import ROOT
 from model import cpu_attention, cpu_linear
 
 
-def decode_step(*args: str) -> subprocess.CompletedProcess:
+def decode_step(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks.decode_step", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, "-m", "benchmarks.decode_step", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ | env,
+    )  # fmt: skip
 
 
 def test_times_each_batch_size_with_the_whole_batch_decoding():
-    # At batch 8 the prompts' 800 tokens take four steps of the CPU's 256-token budget, during
-    # which the first prompts already decode: they must not run out of tokens before the timing ends.
-    run = decode_step("--model", "gpt2", "--batch-sizes", "1,8", "--context", "100", "--steps", "2", "--profile")
+    # At batch 8 the prompts' 800 tokens take four steps of a 256-token budget, during which the
+    # first prompts already decode: they must not run out of tokens before the timing ends.
+    args = ("--model", "gpt2", "--batch-sizes", "1,8", "--context", "100", "--steps", "2", "--profile")
+    run = decode_step(*args, MAX_BATCH_TOKENS="256")
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     rows = [[cell.strip() for cell in line.split("|")] for line in lines if line[:5].strip().isdigit()]
