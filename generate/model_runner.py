@@ -102,7 +102,7 @@ class ModelRunner:
         device = model.wte.weight.device
         attention = settings.attention_backend
         head_dim = model.config.head_dim
-        kernel_fits = head_dim & (head_dim - 1) == 0  # the kernel's tiles need a power of two (GPT-2's: 64)
+        kernel_fits = _triton_fits(head_dim)
         if attention == "auto":
             attention = _auto_attention(device, model.wte.weight.dtype, head_dim)
         if attention == "cpu":
@@ -167,9 +167,13 @@ class ModelRunner:
         return ReferenceAttention(reference_groups(seqs, self.block_size, self.device), self.space)
 
 
+def _triton_fits(head_dim: int) -> bool:
+    return head_dim & (head_dim - 1) == 0  # the Triton kernel's tiles need a power of two (GPT-2's: 64)
+
+
 def _auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     if device.type == "cuda":
-        usable = head_dim & (head_dim - 1) == 0 and importlib.util.find_spec("triton")
+        usable = _triton_fits(head_dim) and importlib.util.find_spec("triton")
         return "triton" if usable else "reference"
     fits = device.type == "cpu" and cpu_attention.fits(dtype, head_dim)
     return "cpu" if fits and cpu_attention.available() else "reference"
