@@ -20,6 +20,8 @@ BACKENDS = ("reference", "triton", "cpu")
 
 
 class StepAttention(Protocol):
+    fused_norms: bool  # the model runs each residual add and the LayerNorm after it as one Triton kernel
+
     def store(
         self,
         k_cache: torch.Tensor,  # [NB, bs, H, D] this layer's keys
@@ -136,6 +138,7 @@ class ReferenceAttention:
     groups: list[AttentionGroup]  # their out_rows cover the step's rows 0..T-1, each once
     space: GatherSpace
     store = staticmethod(store)
+    fused_norms = False  # PyTorch's add, then nn.LayerNorm
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         outputs = [self._attend_group(q, k_cache, v_cache, group) for group in self.groups]

@@ -58,6 +58,7 @@ def fits(dtype: torch.dtype, head_dim: int) -> bool:
 @dataclass(slots=True)
 class CpuAttention:
     paged: PagedInputs
+    fused_norms = False  # PyTorch's add, then nn.LayerNorm
 
     @staticmethod
     def store(

@@ -61,6 +61,19 @@ def with_lora(y: torch.Tensor, x: torch.Tensor, batch: StepBatch, layer: int, ta
     return y if batch.lora is None else batch.lora.add(y, x, (layer, target))  # [T, out]
 
 
+def add_norm(
+    x: torch.Tensor, y: torch.Tensor, norm: nn.LayerNorm | None, batch: StepBatch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + y and norm(x + y) ([T, C] each; None without a norm). With the Triton backend one kernel does both
+    (a launch and a reread of the sum saved); the other backends run PyTorch's two ops, as always."""
+    if norm is not None and batch.attention.fused_norms:
+        from model.triton_norm import add_layer_norm  # only where triton is installed
+
+        return add_layer_norm(x, y, norm.weight, norm.bias, norm.eps)
+    total = x + y  # [T, C]
+    return total, None if norm is None else norm(total)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
@@ -101,9 +114,13 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config, layer)
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, batch)  # [T, C]
-        return x + self.mlp(self.ln_2(x), batch)  # [T, C]
+    def forward(
+        self, x: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch, next_norm: nn.LayerNorm | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: the residual stream, h: ln_1(x), computed with the add before it. Returns the stream after the
+        block and next_norm of it (the next block's ln_1, ln_f, or None)."""
+        x, h = add_norm(x, self.attn(h, kv_cache, batch), self.ln_2, batch)  # [T, C] each
+        return add_norm(x, self.mlp(h, batch), next_norm, batch)  # [T, C], [T, C] or None
 
 
 class GPT(nn.Module):
@@ -159,10 +176,16 @@ class GPT(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         assert self.kv_cache is not None, "allocate_kv_cache() first"
-        x = self.wte(batch.input_ids) + self.wpe(batch.positions)  # [T, C]
-        for layer, block in enumerate(self.h):
-            x = block(x, self.kv_cache[layer], batch)  # [T, C]
-        if batch.logits_rows is not None:
-            x = x[batch.logits_rows]  # [N, C]
-        x = self.ln_f(x)  # [N, C]
-        return self.lm_head(x)[:, : self.config.vocab_size].float()  # [N, V]
+        rows, fused = batch.logits_rows, batch.attention.fused_norms
+        # Each residual add runs with the norm that reads its sum: the embeddings' with block 0's ln_1, a block's
+        # last with the next block's ln_1. Fused, the last block's takes ln_f over every row: writing T normalised
+        # rows costs less than launching the add and ln_f apart, and a row's norm is the same however many run.
+        norms = [block.ln_1 for block in self.h[1:]] + [self.ln_f if fused else None]
+        x, h = add_norm(self.wte(batch.input_ids), self.wpe(batch.positions), self.h[0].ln_1, batch)  # [T, C] each
+        for layer, (block, norm) in enumerate(zip(self.h, norms)):
+            x, h = block(x, h, self.kv_cache[layer], batch, norm)  # [T, C] each; h is None after the last unfused
+        if h is None:  # ln_f on the wanted rows only
+            h = self.ln_f(x if rows is None else x[rows])  # [N, C]
+        elif rows is not None:
+            h = h[rows]  # [N, C]
+        return self.lm_head(h)[:, : self.config.vocab_size].float()  # [N, V]

@@ -7,20 +7,31 @@ context, and a chunk of new tokens attends causally over the cache and itself. C
 lengths and query offsets are read from tensors, so a CUDA graph can replay it on new values.
 Under TRITON_INTERPRET=1 it runs on CPU tensors (slowly), which is how CI checks it.
 
+A decode step with few (sequence, head) pairs would run few programs, each walking its whole
+context alone while most of the GPU idles: there the keys are split (flash-decoding). Each
+program takes one partition of a sequence's keys and writes its partial max, sum and
+accumulator; a second kernel combines them. The partition count depends only on the batch's
+shapes, the partition length is computed in the kernel from the context: a graph replays it.
+The step's new keys and values go into the cache in one launch (model/triton_store.py).
+
 Triton compiles one variant per constexpr and per specialisation of the other arguments (a pointer
 divisible by 16 or not, an integer equal to 1 or divisible by 16). So the step's inputs are uploaded
 16-byte aligned (generate/step_input.py), `stride_bt` (the block tables' width, which changes with
-the longest context in a step) is not specialised on, and the engine warms both BLOCK_M variants
-before the server reports ready: nothing compiles while serving.
+the longest context in a step) and the partition count are not specialised on, and the engine warms
+the variants before the server reports ready: a chunk (the tiled kernel, which large decode steps
+share while decode_block_m == chunk_block_m) and a one-row decode whose block table is wider than
+block_n keys (the split kernel and its combine): nothing compiles while serving.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from model.attention import PagedInputs, store
+from model.attention import PagedInputs
+from model.triton_store import store_kv
 
 
 @triton.jit
@@ -46,15 +57,77 @@ class KernelConfig:
 
     # Chosen by the sweep on an H200 (gpt2-medium, float16, context 200; docs/gpu.md): one layer's decode
     # attention at batch 128 took 38 us against 136 us with one row per program, 4 warps and 64 keys (at 256,
-    # 71 against 262 us). Masking 15 of 16 rows costs less than leaving the tensor cores idle.
+    # 71 against 262 us). Masking 15 of 16 rows costs less than leaving the tensor cores idle. The split
+    # decode kernel takes the same tile: its loop is this one, over fewer keys.
     block_n: int = 32  # keys per loop iteration
     num_warps: int = 2
     decode_block_m: int = 16  # query rows per program when every sequence decodes one; 16 takes tl.dot's path
     chunk_block_m: int = 16  # ... when some sequence computes a chunk: tensor cores need 16 rows
     table_dtype: torch.dtype = torch.int64  # block-table entries as the kernel reads them
+    # A decode step of fewer (sequence, head) pairs than this splits each one's keys until about this many
+    # programs run. At batch 1 of gpt2-medium on an H100 the unsplit kernel ran 16 programs, each walking ~214
+    # keys alone: 11 us a layer, bound by its loop's latency, most SMs idle. None: two waves of the device's
+    # SMs (264 on an H100 or H200; under the interpreter, of INTERPRETER_SMS).
+    split_target_programs: int | None = None
+    # At most this many partitions (each at least block_n keys): 16 x 32 keys cover a 512-key context in one
+    # iteration per program; more would add scratch traffic and combine work for the longest contexts only.
+    split_max_partitions: int = 16
 
 
 DEFAULT = KernelConfig()
+# Under the interpreter a CPU stands in for a GPU this small: a tiny model's tests run split decodes at batch 1
+# and unsplit ones above, without paying the interpreter's cost per program for hundreds of programs a layer.
+INTERPRETER_SMS = 4
+
+
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    sms = INTERPRETER_SMS if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * sms
+
+
+def partitions(num_seqs: int, heads: int, max_keys: int, device: torch.device, config: KernelConfig = DEFAULT) -> int:
+    """Key partitions per (sequence, head) of a decode step; 1: the unsplit kernel. A function of shapes only,
+    never of the context lengths: a CUDA graph replays the grid it captured. `max_keys` (the block tables'
+    width in keys: in a graph's static tables the model's longest context) caps it at one loop iteration of
+    keys per partition, so short steps run no empty partitions."""
+    target = _target_programs(device) if config.split_target_programs is None else config.split_target_programs
+    pairs = num_seqs * heads
+    if pairs >= target:
+        return 1
+    wanted = min(config.split_max_partitions, triton.cdiv(target, pairs))
+    return min(wanted, triton.cdiv(max_keys, config.block_n))
+
+
+@triton.jit
+def _attend_keys(
+    q, last_key, key_start, key_end, K, V, table, head_offset, stride_kb, stride_ks, scale,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of q's rows [BM, D] over keys key_start..key_end-1, row r seeing keys up to last_key[r]:
+    the running max [BM], sum [BM] and unnormalised output [BM, D]. No keys: -inf, 0 and 0."""
+    dims = tl.arange(0, HEAD_DIM)
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for first in range(key_start, key_end, BLOCK_N):
+        keys = first + tl.arange(0, BLOCK_N)
+        present = keys < key_end
+        block = tl.load(table + keys // BLOCK_SIZE, mask=present, other=0)
+        offset = block[:, None] * stride_kb + (keys % BLOCK_SIZE)[:, None] * stride_ks + head_offset
+        k = tl.load(K + offset + dims[None, :], mask=present[:, None], other=0.0)  # [BN, D]
+        v = tl.load(V + offset + dims[None, :], mask=present[:, None], other=0.0)  # [BN, D]
+        s = _scores(q, k, BLOCK_M, PRECISION) * scale  # [BM, BN]
+        # causal, which also hides absent keys: every row sees the range's first key, so no row is all -inf
+        s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(s, axis=1))
+        p = tl.exp(s - new_max[:, None])  # [BM, BN]
+        rescale = tl.exp(running_max - new_max)
+        running_sum = running_sum * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + _weighted(p, v, BLOCK_M, PRECISION)
+        running_max = new_max
+    return running_max, running_sum, acc
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -76,35 +149,75 @@ def _paged_attention(
         query_pos = context - q_len + rows  # [BM] each query's position: it sees keys 0..query_pos
         q_ptr = Q + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
         q = tl.load(q_ptr, mask=real[:, None], other=0.0)
-        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        running_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         key_end = tl.minimum(context, context - q_len + (tile + 1) * BLOCK_M)  # what the tile's last row sees
-        for first in range(0, key_end, BLOCK_N):
-            keys = first + tl.arange(0, BLOCK_N)
-            present = keys < key_end
-            block = tl.load(block_tables + seq * stride_bt + keys // BLOCK_SIZE, mask=present, other=0)
-            offset = block[:, None] * stride_kb + (keys % BLOCK_SIZE)[:, None] * stride_ks + head * stride_kh
-            k = tl.load(K + offset + dims[None, :], mask=present[:, None], other=0.0)  # [BN, D]
-            v = tl.load(V + offset + dims[None, :], mask=present[:, None], other=0.0)  # [BN, D]
-            s = _scores(q, k, BLOCK_M, PRECISION) * scale  # [BM, BN]
-            # causal, which also hides absent keys: every real row sees key 0, so no row is all -inf
-            s = tl.where(keys[None, :] <= query_pos[:, None], s, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(s, axis=1))
-            p = tl.exp(s - new_max[:, None])  # [BM, BN]
-            rescale = tl.exp(running_max - new_max)
-            running_sum = running_sum * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + _weighted(p, v, BLOCK_M, PRECISION)
-            running_max = new_max
+        _, running_sum, acc = _attend_keys(
+            q, query_pos, 0, key_end, K, V, block_tables + seq * stride_bt, head * stride_kh, stride_kb, stride_ks,
+            scale, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION,
+        )  # fmt: skip
         out = acc / running_sum[:, None]
         out_ptr = Out + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
         tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=real[:, None])
 
 
-class TritonAttention:
-    """The step's attention through the Triton kernel; `paged` may be a CUDA graph's static buffers."""
+@triton.jit(do_not_specialize=["stride_bt"])
+def _paged_attention_split(
+    Q, K, V, PartMax, PartSum, PartAcc, query_start, context_lens, block_tables,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+    scale,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """A decode row's attention over one partition of its keys: grid (sequence, head, partition). Writes the
+    partition's max, sum and unnormalised output to [S, H, P] and [S, H, P, D] scratch."""
+    seq, head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_parts = tl.num_programs(2)
+    context = tl.load(context_lens + seq)
+    # whole loop iterations per partition, so only the last one's last tile reads past its keys
+    chunk = tl.cdiv(tl.cdiv(context, num_parts), BLOCK_N) * BLOCK_N
+    key_start = part * chunk
+    key_end = tl.minimum(context, key_start + chunk)  # at or below key_start: an empty partition
+    rows = tl.arange(0, BLOCK_M)  # row 0 is the sequence's one query; the others pad the tile for tl.dot
+    dims = tl.arange(0, HEAD_DIM)
+    real = rows < 1
+    q_ptr = Q + (tl.load(query_start + seq) + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptr, mask=real[:, None], other=0.0)  # [BM, D]
+    last_key = tl.full([BLOCK_M], 0, tl.int64) + key_end - 1  # [BM] the query sees every key of its range
+    running_max, running_sum, acc = _attend_keys(
+        q, last_key, key_start, key_end, K, V, block_tables + seq * stride_bt, head * stride_kh, stride_kb,
+        stride_ks, scale, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION,
+    )  # fmt: skip
+    at = (seq * tl.num_programs(1) + head) * num_parts + part + rows  # [BM] only row 0 is stored
+    tl.store(PartMax + at, running_max, mask=real)
+    tl.store(PartSum + at, running_sum, mask=real)
+    tl.store(PartAcc + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=real[:, None])
 
-    store = staticmethod(store)
+
+@triton.jit(do_not_specialize=["num_parts"])
+def _combine_partitions(
+    PartMax, PartSum, PartAcc, Out, query_start, stride_ot, stride_oh, num_parts,
+    HEAD_DIM: tl.constexpr, MAX_PARTS: tl.constexpr,
+):  # fmt: skip
+    """A decode row's output from its partitions' partials: grid (sequence, head). Partitions without keys
+    hold max -inf, sum 0: their weight exp(-inf - max) is 0, and the first partition always has keys."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    parts = tl.arange(0, MAX_PARTS)  # a fixed width for every partition count: one compiled variant
+    dims = tl.arange(0, HEAD_DIM)
+    present = parts < num_parts
+    at = (seq * tl.num_programs(1) + head) * num_parts + parts  # [MP]
+    part_max = tl.load(PartMax + at, mask=present, other=float("-inf"))  # [MP]
+    part_sum = tl.load(PartSum + at, mask=present, other=0.0)  # [MP]
+    part_acc = tl.load(PartAcc + at[:, None] * HEAD_DIM + dims[None, :], mask=present[:, None], other=0.0)
+    weight = tl.exp(part_max - tl.max(part_max, axis=0))  # [MP]
+    out = tl.sum(part_acc * weight[:, None], axis=0) / tl.sum(part_sum * weight, axis=0)  # [D]
+    out_ptr = Out + tl.load(query_start + seq) * stride_ot + head * stride_oh + dims
+    tl.store(out_ptr, out.to(Out.dtype.element_ty))
+
+
+class TritonAttention:
+    """The step's attention through the Triton kernels; `paged` may be a CUDA graph's static buffers."""
+
+    store = staticmethod(store_kv)
+    fused_norms = True  # the model runs each residual add with its LayerNorm in one kernel (model/triton_norm.py)
 
     def __init__(self, paged: PagedInputs, config: KernelConfig = DEFAULT):
         self.paged, self.config = paged, config
@@ -113,20 +226,55 @@ class TritonAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         T, H, D = q.shape
-        _, block_size, _, _ = k_cache.shape
         assert k_cache.stride(3) == 1 and q.stride(2) == 1 and k_cache.stride() == v_cache.stride()
-        paged, config, tables = self.paged, self.config, self.block_tables
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)  # [T, H, D]
-        block_m = config.decode_block_m if paged.max_query_len == 1 else config.chunk_block_m
-        num_seqs = paged.context_lens.shape[0]
-        grid = (num_seqs, H, triton.cdiv(paged.max_query_len, block_m))
-        _paged_attention[grid](
-            q, k_cache, v_cache, out, paged.query_start, paged.context_lens, tables,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-            D**-0.5,
-            BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=config.block_n,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps,
-        )  # fmt: skip
+        num_seqs, max_keys = self.paged.context_lens.shape[0], self.block_tables.shape[1] * k_cache.shape[1]
+        parts = partitions(num_seqs, H, max_keys, q.device, self.config) if self.paged.max_query_len == 1 else 1
+        if parts > 1:
+            self._attend_split(q, k_cache, v_cache, out, parts)
+        else:
+            self._attend_tiles(q, k_cache, v_cache, out)
         return out.view(T, H * D)  # [T, C]
+
+    def _launch_args(self, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[dict, dict]:
+        """What both attention kernels take: strides after the outputs', and the constexprs."""
+        _, block_size, _, _ = k_cache.shape
+        config, tables = self.config, self.block_tables
+        strides = dict(
+            stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
+            stride_bt=tables.stride(0), scale=q.shape[2] ** -0.5,
+        )  # fmt: skip
+        constants = dict(
+            BLOCK_SIZE=block_size, HEAD_DIM=q.shape[2], BLOCK_N=config.block_n,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+        )  # fmt: skip
+        return strides, constants
+
+    def _attend_tiles(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+        paged, config = self.paged, self.config
+        block_m = config.decode_block_m if paged.max_query_len == 1 else config.chunk_block_m
+        grid = (paged.context_lens.shape[0], q.shape[1], triton.cdiv(paged.max_query_len, block_m))
+        strides, constants = self._launch_args(q, k_cache)
+        _paged_attention[grid](
+            q, k_cache, v_cache, out, paged.query_start, paged.context_lens, self.block_tables,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+            **strides, BLOCK_M=block_m, **constants,
+        )  # fmt: skip
+
+    def _attend_split(self, q, k_cache, v_cache, out: torch.Tensor, parts: int) -> None:
+        """Flash-decoding: each (sequence, head)'s keys in `parts` partitions, then their partials combined."""
+        paged, config = self.paged, self.config
+        S, H, D = paged.context_lens.shape[0], q.shape[1], q.shape[2]
+        part_max = torch.empty((S, H, parts), dtype=torch.float32, device=q.device)  # [S, H, P]
+        part_sum = torch.empty_like(part_max)  # [S, H, P]
+        part_acc = torch.empty((S, H, parts, D), dtype=torch.float32, device=q.device)  # [S, H, P, D]
+        strides, constants = self._launch_args(q, k_cache)
+        _paged_attention_split[(S, H, parts)](
+            q, k_cache, v_cache, part_max, part_sum, part_acc, paged.query_start, paged.context_lens,
+            self.block_tables, stride_qt=q.stride(0), stride_qh=q.stride(1),
+            **strides, BLOCK_M=config.decode_block_m, **constants,
+        )  # fmt: skip
+        _combine_partitions[(S, H)](
+            part_max, part_sum, part_acc, out, paged.query_start, out.stride(0), out.stride(1), parts,
+            HEAD_DIM=D, MAX_PARTS=triton.next_power_of_2(config.split_max_partitions),
+        )  # fmt: skip
