@@ -38,6 +38,7 @@ class EngineSettings:
     prefix_cache: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA when installed, cpu on a CPU where it builds, else reference
     cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
+    async_scheduling: str = "auto"  # auto: schedule the next decode step while one runs, wherever graphs replay them
     cpu_linear: str = "auto"  # matrix products on a CPU: auto (oneDNN in float32), onednn, aten (model/cpu_linear.py)
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
     constraint_compile_timeout_s: float = 10.0  # structured output: a constraint compiling longer is refused (400)
@@ -72,6 +73,8 @@ class EngineSettings:
             raise ValueError(f"ATTENTION_BACKEND must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off"):
             raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
+        if self.async_scheduling not in ("auto", "off"):
+            raise ValueError(f"ASYNC_SCHEDULING must be auto or off, got {self.async_scheduling!r}")
         if self.cpu_linear not in ("auto", "onednn", "aten"):
             raise ValueError(f"CPU_LINEAR must be auto, onednn or aten, got {self.cpu_linear!r}")
         if self.step_log_size < 1:

@@ -6,10 +6,13 @@ floor — bytes a decode step must read (every weight once, every sequence's key
 write (the new keys/values), over the device's memory bandwidth — with the step's time split
 into its stages (schedule, build, forward, sample) from the engine's step records. On a GPU the
 host does not wait for the forward pass until sampling reads the tokens back, so there the
-forward stage is the launch time and the wait lands in sample.
+forward stage is the launch time and the wait lands in sample. With asynchronous scheduling
+(ASYNC_SCHEDULING, on wherever CUDA graphs run) a step's record runs from its launch to the
+read of its tokens, while the next step is built: its stages overlap the next one's, and only
+the step time is the loop's.
 
-EngineSettings come from the environment as for the server (ATTENTION_BACKEND, CUDA_GRAPHS, DEVICE,
-DTYPE), so the same command measures each backend:
+EngineSettings come from the environment as for the server (ATTENTION_BACKEND, CUDA_GRAPHS,
+ASYNC_SCHEDULING, DEVICE, DTYPE), so the same command measures each backend:
 
     DEVICE=cuda python -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200
     DEVICE=cuda ATTENTION_BACKEND=reference CUDA_GRAPHS=off python -m benchmarks.decode_step

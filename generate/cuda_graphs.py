@@ -47,16 +47,21 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(size for size in self.sizes if size >= n)
 
-    def prepare(self, seqs: list[Sequence]) -> None:
-        """Fill the static buffers for these sequences and pad them up to their bucket, in one host-to-device copy."""
+    def prepare(self, seqs: list[Sequence], next_ids: torch.Tensor | None = None) -> None:
+        """Fill the static buffers for these sequences and pad them up to their bucket, in one host-to-device copy.
+
+        `next_ids` ([n], on the device): each sequence's next token, drawn by a step whose result the host
+        has not read yet; this step computes that token, one position past the sequence's token list.
+        """
         n, size, bs = len(seqs), self.bucket(len(seqs)), self.block_size
         padding = size - n
-        positions = [len(s.token_ids) - 1 for s in seqs]
+        ahead = int(next_ids is not None)
+        positions = [len(s.token_ids) - 1 + ahead for s in seqs]
         width = max(-(-(p + 1) // bs) for p in positions)
         tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
         t = upload(
             self.logits.device,
-            input_ids=[s.token_ids[-1] for s in seqs] + [0] * padding,
+            input_ids=[0 if ahead else s.token_ids[-1] for s in seqs] + [0] * padding,
             positions=positions + [0] * padding,
             slot_mapping=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
             + [self.scratch_block * bs] * padding,
@@ -65,6 +70,8 @@ class DecodeGraphs:
         )
         for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
             getattr(self, name)[:size].copy_(t[name])
+        if next_ids is not None:
+            self.input_ids[:n].copy_(next_ids)  # device to device, behind the step that draws them
         # columns past `width` keep stale ids: the kernel reads no block beyond a sequence's context
         self.block_tables[:size, :width].copy_(t["block_tables"].view(size, width))
 

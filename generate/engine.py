@@ -13,7 +13,7 @@ from generate.constraint_compiler import ConstraintCompiler
 from generate.fair_share import FairShare
 from generate.grammar_mask import GrammarMasks, StepMasks
 from generate.lora_registry import LoraRegistry
-from generate.model_runner import ModelRunner
+from generate.model_runner import Launched, ModelRunner
 from generate.scheduler import Scheduler
 from generate.sequence import SamplingParams, Sequence, Status
 from generate.step_log import StageClock, StepLog, StepRecord
@@ -51,6 +51,15 @@ class StepResult(NamedTuple):
     token: int | None  # None: the step computed a prompt chunk that does not reach the prompt's end
 
 
+class InFlight(NamedTuple):
+    """A decode step launched on the device whose tokens the engine has not read yet."""
+
+    seqs: list[Sequence]
+    launched: Launched
+    record: StepRecord
+    clock: StageClock
+
+
 class Engine:
     def __init__(
         self, runner: Runner, num_blocks: int, settings: EngineSettings, model_name: str = "", is_random: bool = False
@@ -77,6 +86,12 @@ class Engine:
         self.num_steps = 0
         self.constraints = ConstraintCompiler(settings)  # request threads compile with it, before admission
         self.grammar = GrammarMasks(constraints.VOCAB_SIZE, runner.on_gpu)  # .stats: structured output's counters
+        # Asynchronous scheduling: a decode step that needs nothing back from the host but its tokens is
+        # launched, and the next one launched behind it before they are read (ModelRunner.launch).
+        overlap = isinstance(runner, ModelRunner) and settings.async_scheduling != "off"
+        self.launcher: ModelRunner | None = runner if overlap else None
+        self.in_flight: InFlight | None = None
+        self.num_steps_ahead = 0  # steps launched before the step in front of them was read
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> "Engine":
@@ -135,7 +150,7 @@ class Engine:
             self.scheduler.finish(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def step(self) -> list[StepResult]:
         """Schedule, run the model once over every scheduled sequence's tokens, retire finished.
@@ -144,18 +159,63 @@ class Engine:
         the end of its prompt (or it computes its prompt only). A sequence ends only here, when
         `Sequence.append` says so or a prompt-only one has computed its prompt, or by `abort`.
         The step's record is `step_log.last`.
+
+        With asynchronous scheduling a decode step may still run on the device when this returns (the
+        next step, launched before this one's tokens were read): its results come from the next call,
+        less those of sequences that ended meanwhile (their extra token is thrown away).
         """
-        clock = StageClock()
-        seqs = self.scheduler.schedule()
-        if not seqs:
-            return []
-        seqs.sort(key=lambda s: s.num_scheduled_tokens == 1)  # multi-token chunks first, as the batch wants
-        record = self._record(seqs, clock)
-        clock.lap("schedule")
+        if self.in_flight is None:
+            clock = StageClock()
+            seqs = self.scheduler.schedule()
+            if not seqs:
+                return []
+            seqs.sort(key=lambda s: s.num_scheduled_tokens == 1)  # multi-token chunks first, as the batch wants
+            record = self._record(seqs, clock)
+            clock.lap("schedule")
+            if self.launcher is None or not self.launcher.can_launch(seqs):
+                return self._run(seqs, record, clock)
+            self.in_flight = InFlight(seqs, self.launcher.launch(seqs, clock), record, clock)
+        current = self.in_flight
+        self.in_flight = self._look_ahead(current)
+        return self._complete(current)
+
+    def _run(self, seqs: list[Sequence], record: StepRecord, clock: StageClock) -> list[StepResult]:
+        """The step on the runner, waiting for its tokens."""
         masks = self.grammar.start(seqs)  # filled on a worker thread while the forward pass runs
         tokens = self.runner.run(seqs, clock, masks)
         self.grammar.finish(masks, clock.stages.get("mask", 0.0))
         assert len(tokens) == len(seqs)
+        return self._retire(seqs, tokens, record, clock)
+
+    def _look_ahead(self, current: InFlight) -> InFlight | None:
+        """Launch the step after `current` behind it, before its tokens are read: its sequences that are still
+        running decode once more, if that is the step the scheduler would run (Scheduler.schedule_ahead)."""
+        rows = [i for i, s in enumerate(current.seqs) if s.status is Status.RUNNING]  # not ended or aborted
+        seqs = [current.seqs[i] for i in rows]
+        clock = StageClock()
+        if not seqs or not self.scheduler.schedule_ahead(seqs):
+            return None
+        record = self._record(seqs, clock)
+        clock.lap("schedule")
+        self.num_steps_ahead += 1
+        launched = self.launcher.launch(seqs, clock, current.launched, None if len(rows) == len(current.seqs) else rows)
+        return InFlight(seqs, launched, record, clock)
+
+    def _complete(self, current: InFlight) -> list[StepResult]:
+        """Read a launched step's tokens and retire it; the step launched behind it then computes them."""
+        tokens = current.launched.read()
+        clock = current.clock
+        clock.lap("sample")
+        live = [(s, t) for s, t in zip(current.seqs, tokens) if s.status is Status.RUNNING]
+        results = self._retire([s for s, _ in live], [t for _, t in live], current.record, clock)
+        for seq in self.in_flight.seqs if self.in_flight else []:
+            seq.num_scheduled_tokens = 1  # the token just appended, which that step computes
+        return results
+
+    def _retire(
+        self, seqs: list[Sequence], tokens: list[int | None], record: StepRecord, clock: StageClock
+    ) -> list[StepResult]:
+        """A computed step's bookkeeping: what is in the cache, the tokens appended, finished sequences out."""
         for seq, token in zip(seqs, tokens):
             assert (token is not None) == seq.samples_this_step
             seq.num_computed_tokens += seq.num_scheduled_tokens
@@ -169,6 +229,7 @@ class Engine:
                 self.scheduler.finish(seq)
         record.stages = clock.stages
         record.duration_s = clock.elapsed()
+        self.step_log.append(record)  # once computed: a launched step's record waits for its tokens
         return [StepResult(s, t) for s, t in zip(seqs, tokens)]
 
     def _record(self, seqs: list[Sequence], clock: StageClock) -> StepRecord:
@@ -190,7 +251,6 @@ class Engine:
             kv_blocks_free=blocks.num_free_blocks,
             preemptions=scheduler.num_preemptions,
         )
-        self.step_log.append(record)
         return record
 
     def generate(self, prompts: Seq[Seq[int] | str], params: SamplingParams | Seq[SamplingParams]) -> list[list[int]]:

@@ -4,13 +4,14 @@ import importlib.util
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from config import EngineSettings
 from generate.grammar_mask import StepMasks
-from generate.sampler import Sampler
+from generate.sampler import Sampler, needs_host_state
 from generate.sequence import Sequence
 from generate.step_input import build_step_inputs, reference_groups, upload
 from generate.step_log import StageClock
@@ -25,6 +26,21 @@ if TYPE_CHECKING:
 
 GRAPH_MODES = ("off", "eager", "capture")  # eager: the graphs' static buffers, run without capture (CPU tests)
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Launched:
+    """A decode step queued on the device, its tokens not read back yet (ModelRunner.launch)."""
+
+    tokens: torch.Tensor  # [n] on the device, where the next step can take them as its inputs
+    host: torch.Tensor  # [n] their copy in pinned memory, complete once `ready` has passed
+    ready: "torch.cuda.Event | None"  # None on a CPU, where the copy is done before launch returns
+
+    def read(self) -> list[int]:
+        """The step's tokens, waiting for this step only (not for any queued behind it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -72,13 +88,14 @@ class ModelRunner:
 
     def _warm_kernel(self, scratch_block: int) -> None:
         """Compile the kernel's variants before serving: a two-token chunk (tiles of rows) and a decode row
-        (one row), through the whole model as a step runs it, writing only the scratch block."""
+        (one row), through the whole model as a step runs it, writing only the scratch block. The decode row's
+        table is as wide as a context, so its keys are split (model/triton_attention.py, `partitions`)."""
         from model.triton_attention import TritonAttention
 
         start = time.perf_counter()
         bs = self.block_size
         for rows in (2, 1):
-            blocks = -(-rows // bs)  # every one the scratch block
+            blocks = -(-rows // bs) if rows > 1 else -(-self.max_context // bs)  # every one the scratch block
             t = upload(
                 self.device,
                 ids=[0] * rows,
@@ -130,6 +147,37 @@ class ModelRunner:
         tokens = self.sampler(seqs, logits, masks)  # the step's one device-to-host transfer: the sampled tokens
         clock.lap("sample")
         return tokens
+
+    def can_launch(self, seqs: list[Sequence]) -> bool:
+        """Whether `launch` can run this step: a decode step the graphs replay, with no adapter, whose
+        sampling needs nothing read back on the host (generate/sampler.py, needs_host_state)."""
+        if self.graphs is None or not self.graphs.fits(seqs):
+            return False
+        return all(s.lora is None and not needs_host_state(s) for s in seqs)
+
+    def launch(
+        self, seqs: list[Sequence], clock: StageClock, after: Launched | None = None, rows: list[int] | None = None
+    ) -> Launched:
+        """Queue a decode step, its sampling and the copy of its tokens to the host, without waiting for them.
+
+        `after`: a launched step not read yet, which drew these sequences' input tokens (at its `rows`,
+        or all of them, in order); this step then computes one position past each token list.
+        """
+        assert self.can_launch(seqs)
+        next_ids = None
+        if after is not None:
+            next_ids = after.tokens if rows is None else after.tokens[upload(self.device, rows=rows)["rows"]]
+        self.graphs.prepare(seqs, next_ids)
+        clock.lap("build")
+        logits = self.graphs.replay(len(seqs))  # [n, V]
+        clock.lap("forward")
+        tokens = self.sampler.on_device(seqs, logits, ahead=int(after is not None))  # [n]
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.on_gpu)
+        host.copy_(tokens, non_blocking=self.on_gpu)  # a blocking copy would wait for every step queued
+        ready = torch.cuda.Event() if self.on_gpu else None
+        if ready is not None:
+            ready.record()
+        return Launched(tokens, host, ready)
 
     def _forward(self, seqs: list[Sequence], clock: StageClock) -> torch.Tensor:
         lora = self._lora_step(seqs)

@@ -34,6 +34,13 @@ class Sampler:
         tokens = iter(sampled.tolist())
         return [next(tokens) if s.samples_this_step else None for s in seqs]
 
+    def on_device(self, seqs: list[Sequence], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+        """Each sequence's next token, left on the device: rows that need nothing read back on the host
+        (no log-probabilities, penalties or constraint: `needs_host_state` is False for every one)."""
+        assert not any(needs_host_state(s) for s in seqs)
+        settings = SamplingTensors.build([sampling_row(s, ahead) for s in seqs], logits.shape[1], self.device)
+        return sample(logits, settings)  # [N]
+
     @staticmethod
     def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, sampled: torch.Tensor) -> None:
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -56,6 +63,13 @@ class Sampler:
             seq.prompt_logprobs += [_keep(next(entries), k) for _ in seq.prompt_logprob_positions()]
 
 
+def needs_host_state(seq: Sequence) -> bool:
+    """Whether sampling this sequence's next token reads what the host learns from its last one (penalties
+    count the tokens so far, a constraint's mask follows them) or sends more than the token back."""
+    p = seq.params
+    return p.has_penalties or p.logprobs is not None or p.prompt_logprobs is not None or seq.matcher is not None
+
+
 def _layout(seqs: list[Sequence]) -> tuple[list[int], list[int]]:
     """Logits rows holding prompt log-probability positions, and those of the sampling positions."""
     prompt_rows, sample_rows, row = [], [], 0
@@ -69,18 +83,20 @@ def _layout(seqs: list[Sequence]) -> tuple[list[int], list[int]]:
     return prompt_rows, sample_rows
 
 
-def sampling_row(seq: Sequence) -> SamplingRow:
-    """A sequence's settings for this step; its noise is keyed by its seed and the position it draws."""
+def sampling_row(seq: Sequence, ahead: int = 0) -> SamplingRow:
+    """A sequence's settings for this step; its noise is keyed by its seed and the position it draws.
+    `ahead`: tokens the sequence has drawn on the device that its token list does not hold yet (a step
+    launched before the one before it was read back: Engine's asynchronous scheduling)."""
     p = seq.params
     bias = p.logit_bias
-    if p.stop_at_eos and seq.num_generated < p.min_tokens:
+    if p.stop_at_eos and seq.num_generated + ahead < p.min_tokens:
         bias += ((EOT_ID, -float("inf")),)  # min_tokens: end-of-text cannot be drawn yet
     return SamplingRow(
         temperature=p.temperature,
         top_k=p.top_k,
         top_p=p.top_p,
         seed=seq.seed,
-        position=len(seq.token_ids),
+        position=len(seq.token_ids) + ahead,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,

@@ -125,9 +125,37 @@ class Scheduler:
             scheduled.append(seq)
         if not preempted:
             self._admit(scheduled, budget)
+        self._charge(scheduled)
+        return scheduled
+
+    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the step after the current one can be `seqs` decoding again, decided before the current
+        step's tokens are read (the engine's asynchronous scheduling); if so, a slot for one more token each.
+
+        Only when that is what `schedule` would run: `seqs` are all the running sequences (no prompt chunk,
+        no fork waiting), nobody waiting can be admitted or preempt one of them, and the pool has the slots
+        without preempting (else the engine reads the tokens first and schedules the step itself).
+        """
+        if len(seqs) != len(self.running) or self._may_admit():
+            return False
+        try:
+            for seq in seqs:
+                self.blocks.append_slot(seq, ahead=1)
+        except KVCacheExhausted:
+            return False  # those given a block keep it: the token they make room for is on its way
+        self._charge(seqs)
+        return True
+
+    def _may_admit(self) -> bool:
+        """Whether the queue's next sequence could run in the next step: a seat is free, or it outranks a
+        running sequence it could preempt."""
+        if not self.waiting:
+            return False
+        return len(self.running) < self.max_num_seqs or bool(self._below(self._candidate()))
+
+    def _charge(self, scheduled: list[Sequence]) -> None:
         for tenant, tokens in Counter(s.tenant for s in scheduled if s.samples_this_step).items():
             self.fair.charge(tenant, generated_tokens=tokens)  # once a tenant, not once a sequence
-        return scheduled
 
     def _chunk_order(self, seq: Sequence) -> tuple:
         """Decodes first (all of them fit the budget), then prompt chunks in rank order, or with fair share

@@ -117,13 +117,15 @@ class BlockManager:
         seq.num_cached_tokens = end
         seq.num_committed_blocks = shared  # the leader offers the shared blocks to the prefix cache
 
-    def append_slot(self, seq: SequenceBlocks) -> None:
-        """Make room for the sequence's last token, taking a new block at a block boundary."""
-        if len(seq.block_table) < self.blocks_for(len(seq.token_ids)):
+    def append_slot(self, seq: SequenceBlocks, ahead: int = 0) -> None:
+        """Make room for the sequence's last token, taking a new block at a block boundary; `ahead`: and for
+        that many tokens more, drawn on the device and not in its token list yet (asynchronous scheduling)."""
+        needed = self.blocks_for(len(seq.token_ids) + ahead)
+        if len(seq.block_table) < needed:
             if not self._free:
                 raise KVCacheExhausted("no free block for a decoding sequence")
             seq.block_table.append(self._take_free())
-        assert len(seq.block_table) == self.blocks_for(len(seq.token_ids))
+        assert len(seq.block_table) == needed
 
     def commit(self, seq: SequenceBlocks, num_computed_tokens: int) -> None:
         """Offer blocks filled by computed tokens to the prefix cache."""
