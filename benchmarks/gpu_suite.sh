@@ -22,6 +22,11 @@
 #   bash benchmarks/gpu_suite.sh stream-interval-2   # one call: saturate (128) with STREAM_INTERVAL 16 and 32 in
 #                                                    #   turns, 32 with SWITCH_INTERVAL_MS=0.5 (128, 512), seed-like
 #                                                    #   (40) at 32, nobatch (128)
+#   bash benchmarks/gpu_suite.sh overlap             # one call (after base): the CUDA tests (kernel, model, async
+#                                                    #   scheduling), decode steps (profiled; sync; .base), saturate
+#                                                    #   (128) at STREAM_INTERVAL 1 and 32 against .base in turns
+#   bash benchmarks/gpu_suite.sh overlap-2           # one call: overlap's saturate again in turns, 512 requests,
+#                                                    #   seed-like (40), decode steps
 #   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
 #   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
 #                                                    #   kernel's knobs swept
@@ -246,6 +251,48 @@ stream_interval_2() {  # ~6 minutes at most
     seed-like-interval-32 saturate-nobatch
 }
 
+# saturate_turns SUFFIX INTERVALS TREES: saturate (128 requests, dynamic) at each STREAM_INTERVAL with each tree
+# (after: this one; base: .base) in turns; each run's name goes into the caller's runs
+saturate_turns() {
+  local interval tree name
+  for interval in $2; do
+    for tree in $3; do
+      name=saturate-128-interval-$interval-$tree$1
+      if [ $tree = after ]; then
+        benchmark "$name" 30 STREAM_INTERVAL=$interval -- --workload saturate --numsamples 128 --modes dynamic
+      else
+        step "$name" 30 env -C .base STREAM_INTERVAL=$interval MODEL="${MODEL:-random:gpt2-medium}" "$PY" \
+          client/benchmark.py --workload saturate --numsamples 128 --modes dynamic --report --out "$ROOT/$RESULTS/$name"
+      fi
+      runs+=("$name")
+    done
+  done
+}
+
+overlap() {  # ~9 minutes at most: the fused decode kernels and asynchronous scheduling, against .base in turns
+  step cuda-kernel-model 150 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_*.py \
+    tests/test_async_scheduling.py tests/test_half_precision.py tests/test_model.py tests/test_forks.py \
+    tests/test_prefix_cache.py tests/test_chunked_prefill.py
+  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200 --steps 20)
+  step decode-after 45 "${decode[@]}" --profile
+  step decode-after-sync 30 env ASYNC_SCHEDULING=off "${decode[@]}"
+  step decode-base 30 env -C .base "${decode[@]}"
+  local runs=()
+  saturate_turns "" "1 32" "after base"
+  step cuda-servers 110 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_server.py \
+    -k "greedy or concurrent or stream_interval"
+  archive overlap "${runs[@]}"
+}
+
+overlap_2() {  # ~4 minutes at most: the overlap stage's saturate again in turns, 512 requests, seed-like (40)
+  local runs=()
+  saturate_turns -2 "32 1" "base after"
+  benchmark saturate-512-interval-32-after 40 STREAM_INTERVAL=32 -- --workload saturate --numsamples 512 --modes dynamic
+  benchmark seed-like-after 70 -- --workload seed-like --numsamples 40 --modes dynamic
+  step decode-after-2 30 "$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200 --steps 20
+  archive overlap-2 "${runs[@]}" saturate-512-interval-32-after seed-like-after
+}
+
 tune() {
   local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200)
   step decode-triton 150 "${decode[@]}" --profile
@@ -286,7 +333,7 @@ for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
     base) shift; rm -rf .base && mkdir .base && git archive "$1" | tar -x -C .base && rm -rf .base/docs && echo ".base: $1"; exit ;;
-    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | overlap-2 | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels
