@@ -207,6 +207,7 @@ class Engine:
         clock = current.clock
         clock.lap("sample")
         live = [(s, t) for s, t in zip(current.seqs, tokens) if s.status is Status.RUNNING]
+        current.record.num_sampled = len(live)  # the tokens of sequences that ended meanwhile are thrown away
         results = self._retire([s for s, _ in live], [t for _, t in live], current.record, clock)
         for seq in self.in_flight.seqs if self.in_flight else []:
             seq.num_scheduled_tokens = 1  # the token just appended, which that step computes
