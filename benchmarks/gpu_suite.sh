@@ -27,6 +27,7 @@
 #                                                    #   (128) at STREAM_INTERVAL 1 and 32 against .base in turns
 #   bash benchmarks/gpu_suite.sh overlap-2           # one call: overlap's saturate again in turns, 512 requests,
 #                                                    #   seed-like (40), decode steps
+#   bash benchmarks/gpu_suite.sh servers             # one call: real servers at a 7-token budget, the API's tests
 #   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
 #   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
 #                                                    #   kernel's knobs swept
@@ -293,6 +294,12 @@ overlap_2() {  # ~4 minutes at most: the overlap stage's saturate again in turns
   archive overlap-2 "${runs[@]}" saturate-512-interval-32-after seed-like-after
 }
 
+servers() {  # ~4.5 minutes at most: real servers at a 7-token step budget, then the API at the default one
+  step cuda-servers-budget-7 150 env DTYPE=float32 MAX_BATCH_TOKENS=7 "$PY" -m pytest -q -ra -p no:cacheprovider \
+    tests/test_server.py -k "transformers or alone"
+  step cuda-openai 110 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_openai.py
+}
+
 tune() {
   local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200)
   step decode-triton 150 "${decode[@]}" --profile
@@ -333,7 +340,7 @@ for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
     base) shift; rm -rf .base && mkdir .base && git archive "$1" | tar -x -C .base && rm -rf .base/docs && echo ".base: $1"; exit ;;
-    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | overlap-2 | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | overlap-2 | servers | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels
