@@ -163,7 +163,7 @@ class ModelRunner:
         `after`: a launched step not read yet, which drew these sequences' input tokens (at its `rows`,
         or all of them, in order); this step then computes one position past each token list.
         """
-        assert self.can_launch(seqs)
+        assert self.graphs is not None, "the engine launches only what can_launch allows"
         next_ids = None
         if after is not None:
             next_ids = after.tokens if rows is None else after.tokens[upload(self.device, rows=rows)["rows"]]

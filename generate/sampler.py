@@ -36,8 +36,8 @@ class Sampler:
 
     def on_device(self, seqs: list[Sequence], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
         """Each sequence's next token, left on the device: rows that need nothing read back on the host
-        (no log-probabilities, penalties or constraint: `needs_host_state` is False for every one)."""
-        assert not any(needs_host_state(s) for s in seqs)
+        (no log-probabilities, penalties or constraint: `needs_host_state` is False for every one, as
+        ModelRunner.can_launch has checked)."""
         settings = SamplingTensors.build([sampling_row(s, ahead) for s in seqs], logits.shape[1], self.device)
         return sample(logits, settings)  # [N]
 
