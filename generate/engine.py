@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple, Protocol
 
 import torch
+from torch import nn
 
 from config import EngineSettings
 from generate import constraints
@@ -19,7 +20,7 @@ from generate.sequence import SamplingParams, Sequence, Status
 from generate.step_log import StageClock, StepLog, StepRecord
 from kvcache.block_manager import BlockManager
 from kvcache.pool_size import default_budget_bytes, pool_blocks
-from model import cpu_linear
+from model import cpu_linear, int8_linear
 from model.cpu_features import native_bfloat16
 from model.loader import load_model
 from model.tokenizer import encode_prompt, load_tokenizer
@@ -99,19 +100,19 @@ class Engine:
         assert settings.engine == "gpt2", "ENGINE=sim builds its engine with sim.engine.simulated_engine"
         device, dtype = device_and_dtype(settings)
         loaded = load_model(settings.model, device, dtype, settings.seed)
-        if cpu_linear.wanted(settings.cpu_linear, device, dtype):
-            cpu_linear.use_onednn(loaded.model)
+        set_products(loaded.model, settings, device, dtype)
         num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(dtype), default_budget_bytes(device))
-        if not settings.dtype:
+        if not settings.dtype and not settings.quantization:  # QUANTIZATION=int8 computes in float32 around it
             log.warning(
                 "DTYPE unset: %s, the default on this %s (DTYPE=float32 for float32's exact results)", dtype, device
             )
         log.info(
-            "model %s on %s/%s (CPU_LINEAR=%s); KV cache: %d blocks of %d tokens",
+            "model %s on %s/%s (CPU_LINEAR=%s, QUANTIZATION=%s); KV cache: %d blocks of %d tokens",
             loaded.name,
             device,
             dtype,
             settings.cpu_linear,
+            settings.quantization or "none",
             num_blocks,
             settings.block_size,
         )
@@ -271,7 +272,21 @@ def device_and_dtype(settings: EngineSettings) -> tuple[torch.device, torch.dtyp
     """DEVICE and DTYPE, or their defaults: cuda if available, else cpu; float16 on cuda; on a cpu bfloat16
     where it computes bfloat16 natively (2-3x float32's speed there), else float32."""
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return device, getattr(torch, settings.dtype or default_dtype(device))
+    unset = "float32" if settings.quantization else default_dtype(device)  # int8 products take float32 around them
+    return device, getattr(torch, settings.dtype or unset)
+
+
+def set_products(model: nn.Module, settings: EngineSettings, device: torch.device, dtype: torch.dtype) -> None:
+    """The model's matrix products as the settings want them: int8 (QUANTIZATION), else through oneDNN on a
+    CPU (CPU_LINEAR), else torch's own."""
+    if settings.quantization:
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"QUANTIZATION=int8 runs on a CPU in float32 (DTYPE=float32), not {device.type}/{dtype}")
+        if not int8_linear.available():
+            raise ValueError("QUANTIZATION=int8 needs oneDNN's quantized linear, which this torch build lacks")
+        int8_linear.quantize(model)
+    elif cpu_linear.wanted(settings.cpu_linear, device, dtype):
+        cpu_linear.use_onednn(model)
 
 
 def default_dtype(device: torch.device) -> str:
