@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +64,51 @@ def fits(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and head_dim in HEAD_DIMS
 
 
+class LongRun(NamedTuple):
+    """One sequence's run of LONG_RUN or more query rows, for torch's fused attention."""
+
+    start: int  # its query rows are start..end-1 of the step's
+    end: int
+    blocks: torch.Tensor  # [nb] the cache blocks holding its keys
+    keys: int  # how many: the rows are the last of these positions
+    mask: torch.Tensor  # [Lq, keys] True where a row may attend (causal)
+
+
+class Split(NamedTuple):
+    """A step's rows parted between the kernel (decodes, short chunks) and torch's fused attention (long runs),
+    worked out once for all its layers."""
+
+    rows: torch.Tensor  # [T_short] the kernel's rows of the step
+    query_start: torch.Tensor  # [B_short+1] over those rows
+    context_lens: torch.Tensor  # [B_short]
+    block_tables: torch.Tensor  # [B_short, W]
+    long: list[LongRun]
+
+
+def split(paged: PagedInputs, block_size: int) -> Split:
+    starts, lens = paged.query_start.tolist(), paged.context_lens.tolist()
+    short = [b for b in range(len(lens)) if starts[b + 1] - starts[b] < LONG_RUN]
+    long = [
+        LongRun(
+            starts[b],
+            starts[b + 1],
+            paged.block_tables[b, : -(-lens[b] // block_size)],
+            lens[b],
+            torch.ones(starts[b + 1] - starts[b], lens[b], dtype=torch.bool).tril(lens[b] - starts[b + 1] + starts[b]),
+        )
+        for b in range(len(lens))
+        if starts[b + 1] - starts[b] >= LONG_RUN
+    ]
+    rows = [torch.arange(starts[b], starts[b + 1]) for b in short]
+    first = torch.tensor([0] + [starts[b + 1] - starts[b] for b in short]).cumsum(0)  # [B_short+1]
+    index = torch.tensor(short, dtype=torch.long)
+    return Split(torch.cat(rows) if rows else index, first, paged.context_lens[index], paged.block_tables[index], long)
+
+
 @dataclass(slots=True)
 class CpuAttention:
     paged: PagedInputs
+    parts: Split | None = None  # the step's split, once a layer has needed it
     fused_norms = False  # PyTorch's add, then nn.LayerNorm
 
     @staticmethod
@@ -82,18 +125,14 @@ class CpuAttention:
         scale = q.shape[-1] ** -0.5
         if p.max_query_len < LONG_RUN:  # decodes and short chunks: the kernel takes every row
             return _kernel(q, k_cache, v_cache, p.query_start, p.context_lens, p.block_tables, scale)
-        starts, lens = p.query_start.tolist(), p.context_lens.tolist()
-        runs = [(b, starts[b], starts[b + 1]) for b in range(len(lens))]
+        if self.parts is None:
+            self.parts = split(p, k_cache.shape[1])
+        s = self.parts
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H*D]
-        short = [run for run in runs if run[2] - run[1] < LONG_RUN]
-        if short:
-            rows = torch.cat([torch.arange(start, end) for _, start, end in short])  # [T_short]
-            first = torch.tensor([0] + [end - start for _, start, end in short]).cumsum(0)  # [B_short+1]
-            seqs = torch.tensor([b for b, _, _ in short])
-            out[rows] = _kernel(q[rows], k_cache, v_cache, first, p.context_lens[seqs], p.block_tables[seqs], scale)
-        for b, start, end in runs:
-            if end - start >= LONG_RUN:
-                out[start:end] = _dense(q[start:end], k_cache, v_cache, p.block_tables[b], lens[b], scale)
+        if s.rows.numel():
+            out[s.rows] = _kernel(q[s.rows], k_cache, v_cache, s.query_start, s.context_lens, s.block_tables, scale)
+        for run in s.long:
+            out[run.start : run.end] = _dense(q[run.start : run.end], k_cache, v_cache, run, scale)
         return out
 
 
@@ -110,16 +149,12 @@ def _kernel(
     return torch.ops.gpt2_cpu.paged_attention(q, k_cache, v_cache, query_start, context_lens, block_tables, scale)
 
 
-def _dense(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, keys: int, scale: float
-) -> torch.Tensor:
-    """One sequence's run of query rows (the last of its `keys` positions, causal) by torch's fused attention on
-    its keys and values copied out whole: [Lq, H, D] -> [Lq, H*D]."""
+def _dense(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, run: LongRun, scale: float) -> torch.Tensor:
+    """One sequence's long run of query rows by torch's fused attention on its keys and values copied out whole:
+    [Lq, H, D] -> [Lq, H*D]."""
     Lq, H, D = q.shape
-    blocks = table[: -(-keys // k_cache.shape[1])]  # [nb]
-    # [NB, bs, H, D] -> [H, NB, bs, D] (the head-major cache's own order) -> [H, nb, bs, D] -> [H, keys, D]
-    k, v = (cache.movedim(2, 0).index_select(1, blocks).flatten(1, 2)[None, :, :keys] for cache in (k_cache, v_cache))
-    mask = torch.ones(Lq, keys, dtype=torch.bool).tril(keys - Lq)  # [Lq, keys]: row i sees keys up to its position
+    # [NB, bs, H, D] -> [H, NB, bs, D] (the head-major cache's own order) -> [H, nb, bs, D] -> [1, H, keys, D]
+    k, v = (c.movedim(2, 0).index_select(1, run.blocks).flatten(1, 2)[None, :, : run.keys] for c in (k_cache, v_cache))
     # [1, H, ...]: torch's fused CPU kernel takes four dimensions (with three it falls back to plain products)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale)  # [1, H, Lq, D]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=run.mask, scale=scale)  # [1,H,Lq,D]
     return out[0].transpose(0, 1).reshape(Lq, H * D)
