@@ -270,7 +270,7 @@ class Engine:
 
 def device_and_dtype(settings: EngineSettings) -> tuple[torch.device, torch.dtype]:
     """DEVICE and DTYPE, or their defaults: cuda if available, else cpu; float16 on cuda; on a cpu bfloat16
-    where it computes bfloat16 natively (2-3x float32's speed there), else float32."""
+    where it computes bfloat16 natively (2-3x float32's speed there), else float32; float32 under QUANTIZATION."""
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     unset = "float32" if settings.quantization else default_dtype(device)  # int8 products take float32 around them
     return device, getattr(torch, settings.dtype or unset)

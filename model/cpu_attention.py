@@ -86,23 +86,25 @@ class Split(NamedTuple):
 
 
 def split(paged: PagedInputs, block_size: int) -> Split:
+    """The step's sequences with fewer than LONG_RUN query rows for the kernel, the others one by one."""
     starts, lens = paged.query_start.tolist(), paged.context_lens.tolist()
-    short = [b for b in range(len(lens)) if starts[b + 1] - starts[b] < LONG_RUN]
+    runs = [(b, starts[b], starts[b + 1]) for b in range(len(lens))]
+    short = [b for b, start, end in runs if end - start < LONG_RUN]
     long = [
-        LongRun(
-            starts[b],
-            starts[b + 1],
-            paged.block_tables[b, : -(-lens[b] // block_size)],
-            lens[b],
-            torch.ones(starts[b + 1] - starts[b], lens[b], dtype=torch.bool).tril(lens[b] - starts[b + 1] + starts[b]),
-        )
-        for b in range(len(lens))
-        if starts[b + 1] - starts[b] >= LONG_RUN
+        long_run(start, end, paged.block_tables[b], lens[b], block_size)
+        for b, start, end in runs
+        if end - start >= LONG_RUN
     ]
     rows = [torch.arange(starts[b], starts[b + 1]) for b in short]
     first = torch.tensor([0] + [starts[b + 1] - starts[b] for b in short]).cumsum(0)  # [B_short+1]
-    index = torch.tensor(short, dtype=torch.long)
+    index = torch.tensor(short, dtype=torch.long)  # [B_short]
     return Split(torch.cat(rows) if rows else index, first, paged.context_lens[index], paged.block_tables[index], long)
+
+
+def long_run(start: int, end: int, table: torch.Tensor, keys: int, block_size: int) -> LongRun:
+    rows = end - start
+    mask = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)  # [Lq, keys]: row i sees up to its position
+    return LongRun(start, end, table[: -(-keys // block_size)], keys, mask)
 
 
 @dataclass(slots=True)
