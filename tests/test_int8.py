@@ -40,7 +40,7 @@ def test_int8_stays_within_the_accuracy_the_docs_state():
     quantized = Engine(LLM("random:gpt2", quantization="int8", kv_cache_blocks=64))
     accuracy = compare(reference, quantized, random_prompts(3, 16, seed=0), 16)
     # docs/benchmarks.md, on this model with 7-bit activations (the less precise of the two): mean |delta log p|
-    # of float32's tokens about 0.017, max about 0.07, top-1 about 99 %; the bounds leave room for any CPU
+    # of float32's tokens about 0.02, max about 0.1, top-1 about 98 %; the bounds leave room for any CPU
     assert accuracy.mean_abs_delta < 0.05 and accuracy.top1 > 0.9, accuracy
     assert accuracy.max_abs_delta < 0.3, accuracy
 
