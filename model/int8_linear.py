@@ -4,8 +4,9 @@ through oneDNN's quantized linear, the kernel torch's own x86 int8 path (Inducto
 Weights are quantized once, symmetric, one scale per output channel (max |w| / 127), and packed once into
 oneDNN's layout. Activations are quantized at every product, one scale and zero point per token (row), over
 the row's own range (asymmetric: GELU's outputs, nearly all above -0.17, get the levels a symmetric range
-would spend on negatives): a row's result never depends on the other rows of the step, so a sequence gets the
-same tokens alone or in any batch. The kernel takes one activation scale and zero point per call, so each row
+would spend on negatives): a row's product never depends on the other rows of the step (its tokens still may:
+the float32 around the products rounds with a step's shape, and a quantization level can turn that into a
+different token; docs/reproducibility.md). The kernel takes one activation scale and zero point per call, so each row
 is divided by its own scale first (its values land on whole numbers) and quantized with scale 1 and zero point
 0; the row's zero point comes off after the product (sum_i (q_i - z) w_i = sum_i q_i w_i - z sum_i w_i) and
 its scale multiplies the result. The int32 sums are exact.
@@ -33,11 +34,11 @@ def available() -> bool:
     )
 
 
-def _product(x: torch.Tensor, zero: int, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """sum_i (x[t, i] - zero) * w[o, i] * scales[o] in float32, x unsigned 8-bit: [T, in] -> [T, out]."""
-    zeros = torch.zeros(scales.numel(), dtype=torch.long)
+def _product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """sum_i x[t, i] * w[o, i] * scales[o] in float32, x unsigned 8-bit, the weights' zero points `zeros` (all 0):
+    [T, in] -> [T, out]."""
     return torch.ops.onednn.qlinear_pointwise(
-        x, 1.0, zero, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        x, 1.0, 0, packed, scales, zeros, None, 1.0, 0, torch.float32, "none", [], ""
     )
 
 
@@ -49,7 +50,8 @@ def activation_max() -> int:
     weight = torch.full((16, 256), WEIGHT_MAX, dtype=torch.int8)  # [out, in]
     for rows in (1, 64):
         x = torch.full((rows, 256), 255, dtype=torch.uint8)  # [T, in]
-        got = _product(x, 0, torch.ops.onednn.qlinear_prepack(weight, [rows, 256]), torch.ones(16))  # [T, out]
+        packed = torch.ops.onednn.qlinear_prepack(weight, [rows, 256])
+        got = _product(x, packed, torch.ones(16), torch.zeros(16, dtype=torch.long))  # [T, out]
         if not bool((got == 255 * WEIGHT_MAX * 256).all()):
             return 127
     return 255
@@ -65,6 +67,7 @@ class Int8Linear(nn.Module):
         quantized = torch.round(weight / self.scales[:, None]).to(torch.int8)  # [out, in]
         self.sums = quantized.sum(dim=1).float() * self.scales  # [out]: each channel's weights, scaled as the kernel
         self.packed = torch.ops.onednn.qlinear_prepack(quantized, None)  # oneDNN's layout, once
+        self.zeros = torch.zeros(weight.shape[0], dtype=torch.long)  # [out]: symmetric weights
         self.bias = None if linear.bias is None else linear.bias.detach().float()  # [out]
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.levels = activation_max()
@@ -78,7 +81,7 @@ class Int8Linear(nn.Module):
         zero = torch.round(-low / scale)  # [T, 1]: where 0 lands
         quantized = torch.round(rows / scale).add_(zero).clamp_(0, self.levels).to(torch.uint8)  # [T, in]
         # sum_i (q_i - zero) w_i = sum_i q_i w_i - zero sum_i w_i: the kernel computes the first with zero point 0
-        y = _product(quantized, 0, self.packed, self.scales).sub_(zero * self.sums)  # [T, out]
+        y = _product(quantized, self.packed, self.scales, self.zeros).sub_(zero * self.sums)  # [T, out]
         y = y * scale if self.bias is None else torch.addcmul(self.bias, y, scale)  # [T, out]
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
