@@ -20,7 +20,7 @@ from generate.sequence import SamplingParams, Sequence, Status
 from generate.step_log import StageClock, StepLog, StepRecord
 from kvcache.block_manager import BlockManager
 from kvcache.pool_size import default_budget_bytes, pool_blocks
-from model import cpu_linear, int8_linear
+from model import cpu_linear, host_memory, int8_linear
 from model.cpu_features import native_bfloat16
 from model.loader import load_model
 from model.tokenizer import encode_prompt, load_tokenizer
@@ -99,6 +99,8 @@ class Engine:
         """GPT-2 as MODEL, DEVICE and DTYPE say, over a KV pool sized by KV_CACHE_BLOCKS / KV_CACHE_GB."""
         assert settings.engine == "gpt2", "ENGINE=sim builds its engine with sim.engine.simulated_engine"
         device, dtype = device_and_dtype(settings)
+        if device.type == "cpu":
+            host_memory.keep_freed_memory()
         loaded = load_model(settings.model, device, dtype, settings.seed)
         set_products(loaded.model, settings, device, dtype)
         num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(dtype), default_budget_bytes(device))
