@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.attention import StepAttention, paged_cache
@@ -93,16 +94,26 @@ class CausalSelfAttention(nn.Module):
         return with_lora(self.c_proj(y), y, batch, self.layer, "attn.c_proj")  # [T, C]
 
 
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU (exact GELU drifts): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). On a CPU in float32
+    as x sigmoid(2u), the same function (1 + tanh(u) = 2 sigmoid(2u)) in torch's faster elementwise kernels: its
+    tanh form took 33 ms of a 256-token gpt2 prefill, this one half. In place: `x` is the product just made."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:  # bfloat16 would round each intermediate
+        return F.gelu(x, approximate="tanh")
+    a = 2 * math.sqrt(2 / math.pi)
+    two_u = x.square().mul_(a * 0.044715).add_(a).mul_(x)  # [T, 4C]: 2u
+    return x.mul_(two_u.sigmoid_())  # [T, 4C]
+
+
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.layer = layer
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"; exact GELU drifts
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        h = self.gelu(with_lora(self.c_fc(x), x, batch, self.layer, "mlp.c_fc"))  # [T, 4C]
+        h = gelu_new(with_lora(self.c_fc(x), x, batch, self.layer, "mlp.c_fc"))  # [T, 4C]
         return with_lora(self.c_proj(h), h, batch, self.layer, "mlp.c_proj")  # [T, C]
 
 

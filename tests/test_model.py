@@ -13,7 +13,7 @@ from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
 from generate.step_input import build_step_inputs, reference_groups
 from model.attention import ReferenceAttention
-from model.gpt2 import StepBatch
+from model.gpt2 import StepBatch, gelu_new
 from model.loader import ModelLoadError, load_model, resolve_model
 
 CPU = torch.device("cpu")
@@ -79,6 +79,16 @@ def test_logits_match_transformers(tiny_checkpoint, hf_model):
     torch.testing.assert_close(logits_of(engine, seq, 0, 45), expected, atol=1e-4, rtol=1e-4)
     # The same logits when the first 30 positions come from the cache written above.
     torch.testing.assert_close(logits_of(engine, seq, 30, 45), expected[30:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_is_gpt2s_tanh_form_in_any_range(dtype):
+    x = torch.linspace(-30, 30, 20001, dtype=torch.float64)  # saturated tails, and around 0
+    u = (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)
+    expected = 0.5 * x * (1 + torch.tanh(u))  # transformers' NewGELUActivation, in float64
+    got = gelu_new(x.to(dtype)).double()  # on a CPU in float32: x sigmoid(2u); in bfloat16: torch's own
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got, expected, rtol=8 * eps, atol=8 * eps)
 
 
 def test_padded_vocabulary_keeps_the_logits_and_the_tied_head(tiny_checkpoint, hf_model):
