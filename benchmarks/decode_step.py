@@ -59,7 +59,8 @@ def parse_args() -> argparse.Namespace:
 def step_bytes(model: GPT, dtype: torch.dtype, batch: int, context: float) -> float:
     """What one decode step must move: every weight once, each sequence's cache read, its new key/value written."""
     element = torch.tensor([], dtype=dtype).element_size()
-    weights = sum(p.numel() for p in model.parameters()) * element  # the tied LM head is counted once
+    with torch.device("meta"):  # the float model's parameters: the products' own modules hold theirs in other forms
+        weights = sum(p.numel() for p in GPT(model.config).parameters()) * element  # the tied LM head counted once
     return weights + batch * (context + 1) * model.config.kv_bytes_per_token(dtype)
 
 

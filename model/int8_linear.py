@@ -23,6 +23,8 @@ import functools
 import torch
 from torch import nn
 
+from model.cpu_linear import replace_linears
+
 WEIGHT_MAX = 127  # int8 weights: -127..127
 
 
@@ -90,9 +92,4 @@ def quantize(model: nn.Module) -> int:
     """Replace every linear layer of `model` by an Int8Linear, in place (a tied LM head gets its own int8 copy;
     the embedding keeps its float weights): how many."""
     assert available(), "this torch has no oneDNN quantized linear"
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, Int8Linear(getattr(parent, child)))
-    return len(names)
+    return replace_linears(model, Int8Linear)

@@ -1,4 +1,4 @@
-"""CPU_LINEAR: which models get oneDNN's products, and that the swap keeps the weights (and their tying)."""
+"""CPU_LINEAR: which models get oneDNN's products, and that the swap keeps every product (and the embedding)."""
 
 import pytest
 import torch
@@ -21,15 +21,19 @@ def test_auto_means_onednn_in_float32_on_a_cpu_only():
 
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN linear op")
-def test_the_swap_keeps_every_weight_and_the_tied_lm_head():
+def test_the_swap_keeps_every_product_and_lets_the_plain_weights_go():
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=100))
     model.init_random(0)
-    before = {name: p.clone() for name, p in model.state_dict().items()}
-    assert use_onednn(model) == 2 * 4 + 1  # four products a layer, and the LM head
+    linears = {name: (m.weight.clone(), m.bias) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    embedding = model.wte.weight.clone()
+    assert use_onednn(model) == len(linears) == 2 * 4 + 1  # four products a layer, and the LM head
     assert all(type(m) is not torch.nn.Linear for m in model.modules())
-    assert model.lm_head.weight is model.wte.weight
-    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
-    x = torch.randn(5, 32)
-    layer = model.h[0].mlp.c_fc
-    assert isinstance(layer, OneDNNLinear)
-    torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias)  # float32's tolerance: another order
+    for name, (weight, bias) in linears.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, OneDNNLinear)
+        wide = torch.randn(5, weight.shape[1])
+        expected = wide @ weight.T + (0 if bias is None else bias)
+        torch.testing.assert_close(layer(wide), expected)  # float32's tolerance: another order of additions
+    assert torch.equal(model.wte.weight, embedding)  # the embedding still reads the LM head's plain weight
+    weights = {name for name in model.state_dict() if name.endswith(".weight")}  # the plain product weights went:
+    assert all(name.startswith(("wte.", "wpe.", "ln_f.")) or ".ln_" in name for name in weights), weights  # norms
