@@ -96,8 +96,8 @@ class CausalSelfAttention(nn.Module):
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's GELU (exact GELU drifts): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). On a CPU in float32
-    as x sigmoid(2u), the same function (1 + tanh(u) = 2 sigmoid(2u)) in torch's faster elementwise kernels: its
-    tanh form took 33 ms of a 256-token gpt2 prefill, this one half. In place: `x` is the product just made."""
+    as x sigmoid(2u), the same function (1 + tanh(u) = 2 sigmoid(2u)) in torch's faster elementwise kernels: 1.1
+    against 1.6 ms at 256 x 3072 (Zen 3). In place: `x` is the product just made."""
     if x.device.type != "cpu" or x.dtype != torch.float32:  # bfloat16 would round each intermediate
         return F.gelu(x, approximate="tanh")
     a = 2 * math.sqrt(2 / math.pi)
