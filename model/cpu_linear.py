@@ -7,7 +7,7 @@ products and its LM head together 1.3-2.1x faster there (the LM head alone 1.5-2
 float32 out: only the order of the additions differs, as it does between any two BLAS libraries.
 
 Each weight is reordered once, at load, into the blocked layout oneDNN's kernel reads, as vLLM's CPU linear
-layers do: from the plain layout a decode step's products took 9-15 % longer (gpt2's 49 products with their
+layers do: from the plain layout a decode step's products took 10-18 % longer (gpt2's 49 products with their
 weights out of cache, 16 to 64 rows, Zen 3). The plain weight is then let go; the LM head's stays, as the
 embedding it is tied to reads it.
 """
