@@ -12,8 +12,11 @@ sequence's keys and values copied out once: there the copy is small beside the w
 do faster than the kernel's one dot product per row and key.
 """
 
+import fcntl
 import hashlib
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -29,20 +32,41 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 
 
+def extension_name() -> str:
+    # -march=native: one build per instruction set (its name says which), never a Zen 4 build on a Zen 3
+    return "gpt2_cpu_attention_" + hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+
+
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an flock on the build directory, and clear a torch lock left there by a killed build.
+
+    torch's own lock is a file created with O_EXCL: a process killed while it builds or loads the kernel leaves
+    it behind, and every later load waits on it forever (a server that never starts). An flock dies with its
+    holder, and while we hold it no other process of ours is in cpp_extension.load, so a torch lock found then
+    is stale.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live build in another process, never for a dead one
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @cache
 def build_problem() -> str | None:
     """Build (or load from torch's cache) the kernel; None once it is loaded, else why it cannot be."""
     from torch.utils import cpp_extension
 
-    # -march=native: one build per instruction set (its name says which), never a Zen 4 build on a Zen 3
-    flags = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    name = extension_name()
     try:
-        cpp_extension.load(
-            name=f"gpt2_cpu_attention_{flags}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
-            is_python_module=False,
-        )
+        with build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            cpp_extension.load(
+                name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native"], is_python_module=False
+            )
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
         log.warning("the CPU attention kernel could not be built (%s): the reference backend it is", err)
         last = (str(err).strip().splitlines() or [""])[-1]  # a failed build's message ends with its cause

@@ -1,6 +1,12 @@
 """The C++ paged-attention kernel for CPUs against attention written from scratch, and the engine through it
 against transformers."""
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from attention_oracle import LAYOUTS, SHAPES, D, H, dense_attention, random_cache, scheduled
@@ -17,6 +23,7 @@ if not cpu_attention.available():
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("shapes", SHAPES)
@@ -62,3 +69,20 @@ def test_auto_takes_the_kernel_on_a_cpu_where_it_fits():
         runner(96, attention_backend="cpu")
     with pytest.raises(ValueError, match="not cpu, torch.float16, 16"):
         runner(32, torch.float16, attention_backend="cpu")
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch's build lock is a plain file: a process killed mid-build leaves it, and torch alone then waits on it
+    forever. A fresh process, over a copy of the built kernel with such a lock in it, must load it all the same."""
+    from torch.utils import cpp_extension
+
+    name = cpu_attention.extension_name()
+    built = Path(cpp_extension._get_build_directory(name, verbose=False))
+    shutil.copytree(built, tmp_path / name, ignore=shutil.ignore_patterns("lock", "flock"))  # keeps mtimes
+    (tmp_path / name / "lock").touch()
+    load = "from model import cpu_attention; print(cpu_attention.build_problem())"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", load], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None", done.stderr
+    assert not (tmp_path / name / "lock").exists()
