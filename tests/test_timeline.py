@@ -3,6 +3,7 @@ paging, the step figures in /stats and /metrics, and who may read them. In proce
 
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -246,7 +247,10 @@ def test_since_paging_under_load_returns_every_record_once(make_app):
     pages, since, events_since = [], 0, 0
     with ThreadPoolExecutor(12) as pool:
         load = pool.map(lambda i: post(app, prompts[i], 20 + i), range(12))
+        deadline = time.monotonic() + 60
         while not pages or pages[-1]["live"]["requests_running"] or pages[-1]["live"]["requests_waiting"]:
+            assert time.monotonic() < deadline, "the requests did not finish before the deadline"
+            time.sleep(0.02)  # a poll interval, as the dashboard's: polling flat out starves the engine's thread
             page = timeline(app, since, events_since)
             pages.append(page)
             since, events_since = page["next"]["since"], page["next"]["events_since"]
