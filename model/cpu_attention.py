@@ -15,6 +15,7 @@ do faster than the kernel's one dot product per row and key.
 import fcntl
 import hashlib
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -56,6 +57,13 @@ def build_lock(build_dir: Path) -> Iterator[None]:
         yield
 
 
+def cflags() -> list[str]:
+    """-march=native, and -fopenmp where torch's threads are OpenMP's: the kernel then runs on them. Its
+    GOMP calls bind to the libgomp torch has loaded (only compiled with -fopenmp, it links to none of its own)."""
+    openmp = sys.platform == "linux" and torch.backends.openmp.is_available()
+    return ["-O3", "-march=native"] + ["-fopenmp"] * openmp
+
+
 @cache
 def build_problem() -> str | None:
     """Build (or load from torch's cache) the kernel; None once it is loaded, else why it cannot be."""
@@ -64,9 +72,7 @@ def build_problem() -> str | None:
     name = extension_name()
     try:
         with build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
-            cpp_extension.load(
-                name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native"], is_python_module=False
-            )
+            cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags(), is_python_module=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
         log.warning("the CPU attention kernel could not be built (%s): the reference backend it is", err)
         last = (str(err).strip().splitlines() or [""])[-1]  # a failed build's message ends with its cause
