@@ -33,7 +33,7 @@ inline float dot(const float* __restrict__ q, const T* __restrict__ k) {
 // torch's OpenMP pool, the ones its matrix products run on: built with -fopenmp where torch's parallel backend is
 // OpenMP, else (the pragma ignored) in this thread alone. A pool of our own (at::launch) competed with OpenMP's
 // threads, which spin a while after each product: called from a process's main thread, a decode step's attention
-// took 124-134 against 86-92 ms (gpt2, batch 64, ~310 keys, Zen 3); from the server's loop thread, level.
+// took 113-134 against 86-92 ms (gpt2, batch 64, ~310 keys, Zen 3); from the server's loop thread, level.
 template <typename F>
 void parallel(int64_t n, const F& f) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)), chunk = 4;

@@ -38,6 +38,13 @@ def extension_name() -> str:
     return "gpt2_cpu_attention_" + hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
 
 
+def build_directory() -> Path:
+    """Where torch builds and keeps the kernel (TORCH_EXTENSIONS_DIR, or its cache under the home directory)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(extension_name(), verbose=False))
+
+
 @contextmanager
 def build_lock(build_dir: Path) -> Iterator[None]:
     """Hold an flock on the build directory, and clear a torch lock left there by a killed build.
@@ -69,10 +76,11 @@ def build_problem() -> str | None:
     """Build (or load from torch's cache) the kernel; None once it is loaded, else why it cannot be."""
     from torch.utils import cpp_extension
 
-    name = extension_name()
     try:
-        with build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
-            cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags(), is_python_module=False)
+        with build_lock(build_directory()):
+            cpp_extension.load(
+                name=extension_name(), sources=[str(SOURCE)], extra_cflags=cflags(), is_python_module=False
+            )
     except (OSError, RuntimeError, ImportError) as err:  # no compiler, no ninja, a failed build
         log.warning("the CPU attention kernel could not be built (%s): the reference backend it is", err)
         last = (str(err).strip().splitlines() or [""])[-1]  # a failed build's message ends with its cause

@@ -74,11 +74,9 @@ def test_auto_takes_the_kernel_on_a_cpu_where_it_fits():
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     """torch's build lock is a plain file: a process killed mid-build leaves it, and torch alone then waits on it
     forever. A fresh process, over a copy of the built kernel with such a lock in it, must load it all the same."""
-    from torch.utils import cpp_extension
-
     name = cpu_attention.extension_name()
-    built = Path(cpp_extension._get_build_directory(name, verbose=False))
-    shutil.copytree(built, tmp_path / name, ignore=shutil.ignore_patterns("lock", "flock"))  # keeps mtimes
+    locks = shutil.ignore_patterns("lock", "flock")
+    shutil.copytree(cpu_attention.build_directory(), tmp_path / name, ignore=locks)  # keeps mtimes: no rebuild
     (tmp_path / name / "lock").touch()
     load = "from model import cpu_attention; print(cpu_attention.build_problem())"
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
