@@ -1,5 +1,6 @@
 """HTTP front of the batching server: a Flask app factory over one BatchingManager per process."""
 
+import functools
 import logging
 import sys
 
@@ -36,12 +37,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     template = ChatTemplate.load(settings.chat_template)  # a bad file stops the server before the model loads
     keys = tenants.load_keys(settings)  # so does a bad keys file
     engine_settings = settings.engine
-    engine = (
-        simulated_engine(engine_settings) if engine_settings.engine == "sim" else Engine.from_settings(engine_settings)
-    )
+    build = simulated_engine if engine_settings.engine == "sim" else Engine.from_settings
     if settings.switch_interval_ms:
         sys.setswitchinterval(settings.switch_interval_ms / 1000)
-    manager = BatchingManager(engine, settings)
+    manager = BatchingManager(functools.partial(build, engine_settings), settings)  # built on the loop's thread
+    engine = manager.engine
     if keys is not None:  # each tenant's weight and limits
         engine.scheduler.fair.weights.update({t.name: t.weight for t in keys.tenants.values()})
         manager.admission.tenants.limits.update({t.name: (t.max_waiting, t.max_running) for t in keys.tenants.values()})

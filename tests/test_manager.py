@@ -98,3 +98,27 @@ def test_n_and_lists_of_prompts_in_every_mode(make_app, hf_greedy, mode):
     wait_until(lambda: not manager.engine.has_work())
     manager.engine.blocks.check_integrity([])
     assert manager.stats.snapshot()["requests_completed"] == 27
+
+
+def test_the_engine_is_built_and_stepped_on_the_loop_thread(make_app, monkeypatch):
+    """Every torch op of the engine runs on one thread: on a CPU, another thread's parallel regions would
+    start a second OpenMP team and slow every step (batching/manager.py)."""
+    from generate.engine import Engine
+
+    threads, build = {}, Engine.from_settings
+
+    def recording_build(cls, settings):
+        threads["built"] = threading.current_thread()
+        return build(settings)
+
+    monkeypatch.setattr(Engine, "from_settings", classmethod(recording_build))
+    app, manager = make_app()
+    step = manager.engine.step
+
+    def recording_step():
+        threads.setdefault("stepped", threading.current_thread())
+        return step()
+
+    manager.engine.step = recording_step
+    assert post(app, {"prompt": "one thread", "num_tokens": 2}).status_code == 200
+    assert threads["built"] is threads["stepped"] is not threading.current_thread()
