@@ -8,9 +8,11 @@ greedy requests (random token-id prompts, exact lengths, end-of-text ignored), a
 about one a second, streamed; runs alternate (ours, vllm, llama f16, ours, ...) --repeats times. Each is
 measured for output tokens/s, TTFT and inter-token latency, the peak memory of its whole process tree, the
 cores it kept busy, and how many greedy outputs equal this server's. Results go to --out as results.json and
-report.md, with the CPU and its flags.
+report.md, with the CPU and its flags. The system `offline` is this server's own engine without the server
+(benchmarks/offline_engine.py: LLM.generate over all the requests, in a fresh process, with the server's settings):
+the server against it is what the server's own path costs; it runs the all-at-once shape only.
 
-python -m benchmarks.peers --systems ours,vllm --vllm-python ../vllm-venv/bin/python
+python -m benchmarks.peers --systems offline,ours,vllm --vllm-python ../vllm-venv/bin/python
 python -m benchmarks.peers --llama-server ../llama/bin/llama-server --llama-src LLAMA_CPP_SOURCE
 python -m benchmarks.peers --model gpt2-medium --server-env DTYPE=bfloat16 --with-transformers-cb
 """
@@ -40,7 +42,8 @@ from client.bench_results import keep_logs, write_results
 from client.bench_runs import RunSpec, record
 from client.client import run_load
 from client.data import arrival_offsets
-from client.launch import start_server, stop_all_on_signal, stop_server
+from client.launch import ROOT, start_server, stop_all_on_signal, stop_server
+from client.launch import server_env as launch_env
 from client.memory import PeakMemory
 from client.metrics import RequestResult
 from client.stream import stream_completion
@@ -53,10 +56,11 @@ from model.tokenizer import EOT_ID
 SHAPES = ("all-at-once", "one-per-second")
 LLAMA_FLAGS = "--parallel 16 -c 16384"  # 16 slots of GPT-2's whole 1024-token context
 OURS = "ours"
+OFFLINE = "offline"
 LLAMA_SYSTEMS = {"llama-f16": "f16", "llama-f32": "f32", "llama-q8_0": "q8_0"}  # run name -> GGUF type
 VLLM = "vllm"
 CB = "transformers-cb"
-SYSTEMS = (OURS, VLLM, *LLAMA_SYSTEMS)
+SYSTEMS = (OURS, OFFLINE, VLLM, *LLAMA_SYSTEMS)
 # llama-server's -c in LLAMA_FLAGS: this server's KV pool holds as many tokens (unless --server-env sizes it)
 KV_TOKENS = 16384
 
@@ -201,12 +205,38 @@ def run_cb(load: Workload, hf_dir: Path) -> tuple[list[RequestResult], float, di
     return results, duration_s, {"command": "client/baseline_cb.py", "settings": used, "memory": memory.peaks_mib()}
 
 
+def run_offline(
+    load: Workload, hf_dir: Path, args: argparse.Namespace
+) -> tuple[list[RequestResult], float, dict[str, Any]]:
+    """The engine alone on `load`'s requests (benchmarks/offline_engine.py), with the server's settings. It
+    answers all of them at the end: each result's latency is the whole run's, and it has no TTFT."""
+    from model.tokenizer import load_tokenizer
+
+    env = {"MODEL": str(hf_dir.resolve()), **args.server_env}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump([[request.prompt_ids, request.num_tokens] for request in load.requests], file)
+        file.flush()
+        command = [sys.executable, "-m", "benchmarks.offline_engine", file.name]
+        done = subprocess.run(command, env=launch_env(**env), cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmarks.offline_engine exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    out = json.loads(done.stdout.splitlines()[-1])
+    decode, duration_s = load_tokenizer().decode, out["duration_s"]
+    results = [
+        RequestResult(True, len(r.prompt_ids), len(ids), None, duration_s, None, r.num_tokens, text=decode(ids))
+        for r, ids in zip(load.requests, out["tokens"], strict=True)
+    ]
+    return results, duration_s, {"command": shlex.join(command[1:]), "env": env, "cpu": out["cpu"]}
+
+
 def run_one(
     system: str, load: Workload, files: tuple[Path, dict[str, Path]], log_dir: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One system on one load shape: the run's record (client.bench_runs.record's, and what it ran with)."""
     if system == CB:
         measured, duration_s, ran = run_cb(load, files[0])
+    elif system == OFFLINE:
+        measured, duration_s, ran = run_offline(load, files[0], args)
     else:
         measured, duration_s, ran = run_served(system, load, files, log_dir, args)
         keep_logs(log_dir, args.out / "logs")
@@ -223,6 +253,8 @@ def run_all(args: argparse.Namespace, results: dict[str, Any], files: tuple[Path
             load = workload(shape, requests, args)
             for repeat in range(1, args.repeats + 1):
                 for system in args.systems:
+                    if system == OFFLINE and shape != "all-at-once":
+                        continue  # it takes every request at once
                     print(f"{shape} {system} #{repeat}: starting", flush=True)
                     run = run_one(system, load, files, Path(log_dir), args)
                     run |= {"label": f"{run['label']} #{repeat}", "repeat": repeat}
