@@ -4,15 +4,17 @@ import pytest
 import torch
 
 from config import EngineSettings
+from model.cpu_features import native_bfloat16
 from model.cpu_linear import OneDNNLinear, onednn_available, use_onednn, wanted
 from model.gpt2 import GPT, GPTConfig
 
 CPU = torch.device("cpu")
 
 
-def test_auto_means_onednn_in_float32_on_a_cpu_only():
+def test_auto_means_onednn_in_float32_and_bfloat16_on_a_cpu_only():
     assert wanted("auto", CPU, torch.float32) is onednn_available()
-    assert not wanted("auto", CPU, torch.bfloat16)  # torch already sends bfloat16 products to oneDNN
+    assert wanted("auto", CPU, torch.bfloat16) is (onednn_available() and native_bfloat16())  # else no kernel
+    assert not wanted("auto", CPU, torch.float16)
     assert not wanted("aten", CPU, torch.float32)
     assert not wanted("onednn", torch.device("cuda"), torch.float32)
     assert wanted("onednn", CPU, torch.bfloat16) is onednn_available()
