@@ -193,6 +193,7 @@ class Settings:
     ttft_target_s: float = 0.0  # refuse (429) a request that could not start within this; 0: off
     api_keys_file: str = ""  # keys (sha256-hashed or plain), each with its tenant, weight and limits (TOML or JSON)
     fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
+    fault_fail_marker: str = ""  # fault injection for tests: a prompt with this text fails in its first step; "": off
     engine: EngineSettings = field(default_factory=EngineSettings)
     front_door: FrontDoorSettings = field(default_factory=FrontDoorSettings)
     batch_api: BatchApiSettings = field(default_factory=BatchApiSettings)

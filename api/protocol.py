@@ -10,13 +10,17 @@ a 400 whose `param` is the field's top-level name, so every problem names its fi
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api.errors import ApiError, bad
 from batching.batch_jobs import ENDPOINTS
 
 MAX_N = 16  # completions of one prompt in one request
 MAX_STOP_STRINGS = 4  # as OpenAI
+# A stop string's characters, and all of a request's in UTF-8 bytes: each token's hold-back (batching/text_stream.py)
+# is linear in them
+MAX_STOP_CHARS = 1024
+MAX_STOP_BYTES = 4096
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI
 LOGIT_BIAS_LIMIT = 100.0  # |bias|: -100 bans a token, 100 all but forces it
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions
@@ -32,6 +36,7 @@ class Strict(BaseModel):
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
@@ -76,7 +81,7 @@ class SamplingRequest(Sampling):
     """The fields both OpenAI endpoints share: n, sampling, stop, streaming, one constraint."""
 
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stream_interval: int | None = Field(None, ge=1)  # vLLM's: tokens per streamed event, at least STREAM_INTERVAL
@@ -95,6 +100,13 @@ class SamplingRequest(Sampling):
     guided_grammar: NonEmpty | None = None  # Lark (vLLM's tests) or GBNF/EBNF (xgrammar's), told apart by syntax
     guided_whitespace_pattern: str | None = None  # JSON constraints: the whitespace allowed between tokens
     structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bytes(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if sum(len(s.encode()) for s in ([stop] if isinstance(stop, str) else stop or [])) > MAX_STOP_BYTES:
+            raise ValueError("too long")
+        return stop
 
 
 class CompletionBody(SamplingRequest):
@@ -141,7 +153,10 @@ SHAPES = {
     "/tokenize prompt": "a string",
     "tokens": "a list of token ids",
     "prompt": f"a non-empty string or list of token ids, or a list of at most {MAX_PROMPTS} of them",
-    "stop": f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
+    "stop": (
+        f"a non-empty string of at most {MAX_STOP_CHARS} characters or a list of at most {MAX_STOP_STRINGS} "
+        f"of them, {MAX_STOP_BYTES} bytes (UTF-8) in all"
+    ),
     "guided_json": "a JSON Schema: an object, or its JSON text",
     "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
     "logit_bias": f"an object of at most {MAX_LOGIT_BIAS} token ids to numbers from -100 to 100",

@@ -7,6 +7,10 @@ The fields are vLLM's `guided_*` (both endpoints) and, on chat, OpenAI's `respon
 forced tool calls (api/tool_calls.py). Compiling happens here, on the request's thread, before
 the request is admitted: a constraint the engine refuses is a 400 naming the field, and the
 engine's loop never waits for a compile.
+
+Nothing here takes more than linear time in what the client sent (the request thread shares the
+interpreter with the loop and /health): a constraint's text is capped (MAX_CONSTRAINT_CHARS by kind,
+a 400 naming the field) before it is compiled, and a grammar's syntax is told in one pass over it.
 """
 
 import json
@@ -14,9 +18,10 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple
 
-from api.errors import bad
+from api.errors import ApiError, bad
 from api.protocol import SamplingRequest
-from generate.constraints import CompiledConstraint, Constraint, ConstraintError
+from generate.constraint_compiler import CompilerBusy
+from generate.constraints import KIND_NAMES, CompiledConstraint, Constraint, ConstraintError
 
 CONSTRAINT_FIELDS = frozenset(
     {
@@ -29,7 +34,11 @@ CONSTRAINT_FIELDS = frozenset(
     }
 )
 # GBNF / xgrammar's EBNF defines rules with "::="; Lark (vLLM's tests, llguidance) with ":".
-_EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
+_RULE_NAME = re.compile(r"[A-Za-z_][\w.-]*")
+# The longest constraint text compiled, by kind: a grammar or a regex (64 KiB), a JSON schema, choice list or
+# tools (256 KiB, within MAX_BODY_BYTES). llguidance compiles the largest in about a second.
+MAX_CONSTRAINT_CHARS = {"lark": 65_536, "ebnf": 65_536, "regex": 65_536}
+MAX_SCHEMA_CHARS = 262_144
 
 
 class Asked(NamedTuple):
@@ -81,8 +90,14 @@ def structured_outputs(body: SamplingRequest) -> list[Asked]:
 
 
 def grammar_kind(grammar: str) -> str:
-    """ "ebnf" for a grammar whose rules are written `name ::= ...` (GBNF, as xgrammar takes it), else "lark"."""
-    return "ebnf" if _EBNF_RULE.search(grammar) else "lark"
+    """ "ebnf" for a grammar with a rule written `name ::= ...` at a line's start (GBNF, as xgrammar takes it),
+    else "lark". Each line is read once: a regex anchored at every line's start with a leading `\\s*` (which
+    crosses newlines) takes time quadratic in the newlines, holding the interpreter all along."""
+    for line in grammar.splitlines():
+        head, rule, _ = line.partition("::=")
+        if rule and _RULE_NAME.fullmatch(head.strip()):
+            return "ebnf"
+    return "lark"
 
 
 def json_schema(schema: dict, whitespace: str | None = None) -> Constraint:
@@ -109,7 +124,12 @@ def compiled(asked: Asked | None, compiler: Compile) -> CompiledConstraint | Non
     """The constraint compiled (cached by the engine's compiler); a refusal is a 400 naming its field."""
     if asked is None:
         return None
+    kind, limit = asked.constraint.kind, MAX_CONSTRAINT_CHARS.get(asked.constraint.kind, MAX_SCHEMA_CHARS)
+    if len(asked.constraint.spec) > limit:
+        raise bad(f"'{asked.field}': the {KIND_NAMES[kind]} is longer than {limit} characters", asked.field)
     try:
         return compiler(asked.constraint)
+    except CompilerBusy as err:
+        raise ApiError(503, str(err), "overloaded", asked.field, {"Retry-After": "1"}) from None
     except ConstraintError as err:
         raise bad(f"'{asked.field}': {err}", asked.field) from None

@@ -18,7 +18,7 @@ from api.sampling import Generation, Server
 from batching.admission import Refused
 from batching.inference import Delta, Inference
 from batching.manager import NotServing
-from batching.text_stream import TextStream
+from batching.text_stream import FaultyTextStream, TextStream
 from model.tokenizer import EOT_ID
 
 SEED_LIMIT = 2**63
@@ -66,7 +66,7 @@ def submit(generation: Generation, streamed: bool) -> Submitted:
             completion = Inference(
                 prompt,
                 own,
-                text=TextStream(generation.server.tokenizer, generation.stop),
+                text=_text_stream(generation, prompt),
                 chunks=chunks,
                 stream_interval=generation.stream_interval,
                 index=len(completions),
@@ -84,6 +84,14 @@ def submit(generation: Generation, streamed: bool) -> Submitted:
     except NotServing as err:
         raise ApiError(503, str(err), "unavailable") from None
     return Submitted(generation.prompts, completions, generation.n)
+
+
+def _text_stream(generation: Generation, prompt: list[int]) -> TextStream:
+    """A completion's text and stop checker; one that fails in the engine's step where the prompt holds
+    FAULT_FAIL_MARKER (fault injection for tests, off by default)."""
+    marker, tokenizer = generation.server.settings.fault_fail_marker, generation.server.tokenizer
+    faulty = marker and marker in tokenizer.decode(prompt)
+    return (FaultyTextStream if faulty else TextStream)(tokenizer, generation.stop)
 
 
 def wait_all(server: Server, submitted: Submitted) -> None:

@@ -85,9 +85,10 @@ class Inference:
         return self.streamed_tokens == 0 or self.seq.num_generated - self.streamed_tokens >= self.stream_interval
 
     def finish(self, error: str | None = None) -> None:
-        """Record that it ended, and when; `answer()` then wakes the request thread."""
+        """Record that it ended, and when, and why it failed if it did (`error`, or its sequence's: deciding its
+        end failed in a step); `answer()` then wakes the request thread."""
         assert self.finished_at is None, "an inference finishes exactly once"
-        self.error = error
+        self.error = error or self.seq.error
         self.finished_at = time.monotonic()
 
     def answer(self) -> None:

@@ -7,6 +7,12 @@ still turn into a stop string is held back too, and the stop string is never emi
 A TextStream is also its sequence's stop checker (generate.sequence.StopChecker): the
 sequence hands it each token as it is appended and ends when a stop string appears, so the
 engine retires it like any other finished sequence and nobody has to call back down.
+
+This runs on the loop's thread, for every token of every request, so its cost per token is bounded
+by what the token brings: each stop string is followed by a Knuth-Morris-Pratt automaton that reads
+each new character once (amortised constant time), and knows how much of the stop string the text
+ends with, which is what must be held back. Slicing every prefix of every stop string against the
+held text instead cost the square of a stop string's length at each token.
 """
 
 import codecs
@@ -15,11 +21,43 @@ from collections.abc import Sequence
 import tiktoken
 
 
+class StopMatcher:
+    """One stop string's automaton: `matched` is the length of the longest prefix of the stop string that
+    the text read so far ends with."""
+
+    def __init__(self, stop: str):
+        self.stop, self.matched = stop, 0
+        self._border = _borders(stop)
+
+    def read(self, char: str) -> bool:
+        """Take the text's next character; whether it completes the stop string (the automaton then goes on
+        as if it had not, for occurrences that overlap this one)."""
+        matched, stop = self.matched, self.stop
+        while matched and stop[matched] != char:
+            matched = self._border[matched - 1]
+        if stop[matched] == char:
+            matched += 1
+        complete = matched == len(stop)
+        self.matched = self._border[matched - 1] if complete else matched
+        return complete
+
+
+def _borders(text: str) -> list[int]:
+    """For each prefix of `text`, the length of its longest proper prefix that is also its suffix (KMP's table)."""
+    border = [0] * len(text)
+    for i in range(1, len(text)):
+        k = border[i - 1]
+        while k and text[i] != text[k]:
+            k = border[k - 1]
+        border[i] = k + (text[i] == text[k])
+    return border
+
+
 class TextStream:
     def __init__(self, tokenizer: tiktoken.Encoding, stop: Sequence[str] = ()):
         self._tokenizer = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stop = tuple(s for s in stop if s)
+        self._stop = [StopMatcher(s) for s in stop if s]
         self._held = ""  # decoded, not yet released
         self._taken = 0  # characters of `text` handed out by take()
         self.text = ""  # released so far
@@ -36,8 +74,7 @@ class TextStream:
         held, so one completed by a later token is found."""
         if self.stopped:
             return ""
-        self._held += self._utf8.decode(self._tokenizer.decode_single_token_bytes(token_id))
-        return self._release(search=may_stop)
+        return self._release(self._utf8.decode(self._tokenizer.decode_single_token_bytes(token_id)), may_stop)
 
     def finish(self) -> str:
         """Release everything still held: the sequence has ended (its end was decided already)."""
@@ -53,22 +90,27 @@ class TextStream:
         out, self._taken = self.text[self._taken :], len(self.text)
         return out
 
-    def _release(self, search: bool) -> str:
-        hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0] if search else []
-        if hits:
-            out, self._held, self.stopped = self._held[: min(hits)], "", True
+    def _release(self, new: str, search: bool) -> str:
+        """Hold the new text, then release what can no longer be part of a stop string: up to the earliest
+        stop string completed by it (and stop), else all but the longest tail that begins one."""
+        self._held += new
+        cut = None
+        for i, char in enumerate(new, len(self._held) - len(new) + 1):  # i: the held length up to this char
+            for matcher in self._stop:
+                if matcher.read(char) and search:
+                    cut = min(i - len(matcher.stop), i if cut is None else cut)
+        if cut is not None:
+            out, self._held, self.stopped = self._held[:cut], "", True
         else:
-            keep = self._stop_prefix_length()
+            keep = max((matcher.matched for matcher in self._stop), default=0)
             out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         self.text += out
         return out
 
-    def _stop_prefix_length(self) -> int:
-        """Length of the longest tail of the held text that begins some stop string."""
-        longest = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(self._held)), longest, -1):
-                if self._held.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+
+class FaultyTextStream(TextStream):
+    """Fault injection for tests (FAULT_FAIL_MARKER): raises at its sequence's first token, inside the engine's
+    step, as a failing stop checker would."""
+
+    def stops_at(self, token_id: int, may_stop: bool = True) -> bool:
+        raise RuntimeError("fault injected by FAULT_FAIL_MARKER")

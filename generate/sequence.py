@@ -2,6 +2,7 @@
 
 import enum
 import itertools
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
 
     from generate.constraints import CompiledConstraint
     from model.lora import LoraAdapter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,10 @@ class StopChecker(Protocol):
         ...
 
 
+class ConstraintViolation(RuntimeError):
+    """A sampled token the sequence's constraint does not accept."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -83,7 +90,8 @@ class Sequence:
     lora: "LoraAdapter | None" = None  # the LoRA adapter it runs through; None: the base model
     num_prompt_tokens: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "length" or "stop"
+    finish_reason: str | None = None  # "length" or "stop"; "error" (vLLM's) when deciding its end failed
+    error: str | None = None  # why, with finish_reason "error": its request is answered with it
     seed: int = field(init=False)  # params.seed, or drawn: keys this sequence's sampling noise with each position
     # Its constraint's state: advanced only by tokens appended, so it survives preemption and recomputation.
     matcher: "llguidance.LLMatcher | None" = field(init=False)
@@ -165,8 +173,18 @@ class Sequence:
     def append(self, token: int) -> None:
         """Record a sampled token and decide whether the sequence ends with it: end-of-text, the end of its
         constraint's grammar, a stop string (through the stop checker) or its length. This is the one place
-        a sequence's end is decided."""
+        a sequence's end is decided. A failure in deciding it (its constraint refusing the token, its stop
+        checker raising) is this sequence's alone: it ends with finish_reason "error" and the reason in
+        `error`, and the engine retires it like any other, in the same step as the rest go on."""
         self.token_ids.append(token)
+        try:
+            self._decide_end(token)
+        except Exception as err:  # noqa: BLE001 - whatever it is, it fails this request, not the loop
+            log.exception("sequence %d failed at its token %d", self.seq_id, self.num_generated)
+            self.error = f"{type(err).__name__}: {err}"
+            self.end("error")
+
+    def _decide_end(self, token: int) -> None:
         may_stop = self.num_generated >= self.params.min_tokens
         grammar_ended = self._advance_matcher(token)
         if token == EOT_ID and (grammar_ended or (self.params.stop_at_eos and may_stop)):
@@ -180,8 +198,10 @@ class Sequence:
         """Feed the token to the constraint's matcher; whether the grammar has ended (it takes nothing more)."""
         if self.matcher is None:
             return False
-        accepted = self.matcher.consume_token(token)  # drawn from the matcher's own mask, so always accepted
-        assert accepted, f"the constraint refused token {token}: {self.matcher.get_error()}"
+        # drawn from the matcher's own mask, so accepted, unless the matcher is in an error state (a grammar past
+        # llguidance's limits at this step) or the logits were not numbers
+        if not self.matcher.consume_token(token):
+            raise ConstraintViolation(f"the constraint refused token {token}: {self.matcher.get_error()}")
         return self.matcher.is_stopped()
 
     def end(self, reason: str) -> None:

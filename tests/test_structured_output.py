@@ -7,7 +7,7 @@ Outputs are checked by independent validators (jsonschema, re.fullmatch, lark), 
 import json
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import types
 
 import jsonschema
 import lark
@@ -289,26 +289,46 @@ def test_same_constraint_compiles_once():
     assert first is second and after.cache_hits == before.cache_hits + 1 and after.compiles == before.compiles + 1
 
 
-def test_a_compile_over_the_time_limit_is_refused_and_not_cached(monkeypatch):
-    # The compile pool's one thread is held until the test lets it go, so the compile waits behind it:
-    # over any limit on any machine, however fast the grammar compiles.
-    release = threading.Event()
-    pool = ThreadPoolExecutor(max_workers=1)
-    pool.submit(release.wait, 60)
-    monkeypatch.setattr(COMPILER, "_pool", pool)
-    constraint = Constraint("regex", "[0-9]{3}-held")
-    before = compile_stats()
-    monkeypatch.setattr(COMPILER, "timeout_s", 0.05)
+def test_deep_grammars_compile_or_are_refused_never_crash():
+    # 3,000 chained rules (46 KB): llguidance's recursion overflowed a default 8 MiB thread stack (a
+    # segfault: the whole server gone); on the compiler's deep stacks it builds
+    chain = "\n".join(f'a{i}:a{i + 1}|"x"' for i in range(3000)) + '\na3000:"b"\nstart:a0'
+    assert compile_constraint(Constraint("lark", chain)).constraint.spec == chain
+    nested = '{"type":"array","items":' * 2000 + '{"type":"string"}' + "}" * 2000  # past Python's recursion
+    with pytest.raises(ConstraintError, match="nested too deeply"):
+        compile_constraint(Constraint("json_schema", nested))
+
+
+def test_a_compile_over_the_time_limit_is_refused_not_cached_and_its_thread_replaced(monkeypatch):
+    # Compiles of "held" grammars wait until the test lets them go: over any limit on any machine, however
+    # fast the grammar compiles. Each one past its limit keeps its thread, and a fresh one takes its place
+    # (up to MAX_OVERDUE): the compiler goes on compiling for everyone else.
+    from generate import constraint_compiler
+
+    release, matcher = threading.Event(), constraint_compiler.llguidance.LLMatcher
+
+    def held_or_built(tokenizer, grammar, **kwargs):
+        if "held" in grammar:
+            release.wait(60)
+        return matcher(tokenizer, grammar, **kwargs)
+
+    monkeypatch.setattr(constraint_compiler, "llguidance", types.SimpleNamespace(LLMatcher=held_or_built))
+    compiler = ConstraintCompiler(EngineSettings(constraint_compile_timeout_s=0.2))
+    assert constraint_compiler.THREADS == constraint_compiler.MAX_OVERDUE == 2
     try:
+        for i in range(3):  # the first two are replaced; the third keeps a replacement, the cap reached
+            with pytest.raises(ConstraintError, match="longer than"):
+                compiler.compile(Constraint("regex", f"held-{i}"))
+            assert compiler.compile(Constraint("regex", f"[0-9]{{{i + 1}}}")).constraint.spec  # a thread is free
         with pytest.raises(ConstraintError, match="longer than"):
-            compile_constraint(constraint)
+            compiler.compile(Constraint("regex", "held-3"))  # the last free thread
+        with pytest.raises(constraint_compiler.CompilerBusy, match="no constraint compiler was free"):
+            compiler.compile(Constraint("regex", "[a-z]+-waits"))
     finally:
         release.set()
-        monkeypatch.setattr(COMPILER, "timeout_s", EngineSettings().constraint_compile_timeout_s)
-    after = compile_stats()
-    assert after.failures == before.failures + 1 and after.compiles == before.compiles
-    assert compile_constraint(constraint).constraint == constraint  # not cached as failed: compiles now
-    pool.shutdown()
+    stats = compiler.stats()
+    assert stats.failures == 5 and stats.compiles == 3
+    assert compiler.compile(Constraint("regex", "held-0")).constraint.spec == "held-0"  # not cached as failed
 
 
 @pytest.mark.parametrize(

@@ -69,3 +69,32 @@ def test_stop_strings_are_not_looked_for_while_stopping_is_not_allowed():
     stopped = [s.stops_at(t, may_stop=i >= 2) for i, t in enumerate(ids)]  # min_tokens 2
     assert stopped.index(True) == 3  # the second STOP, not the first
     assert s.text == "a STOP b "
+
+
+def test_random_texts_and_overlapping_stop_strings_match_a_plain_search():
+    """Against a plain search (after each token, the text up to the earliest stop string found in all of it so
+    far), on texts and stop strings of two letters, where stop strings overlap themselves and each other; the
+    text released after each token is always a prefix of the answer, and never holds back a whole stop string."""
+    import random
+
+    rng = random.Random(7)
+    ids = {c: TOKENIZER.encode(c) for c in ("a", "b", "ab", "ba", "aa", "abb", "aba")}
+    assert all(len(i) == 1 for i in ids.values())  # a piece is a token: the search looks after each
+    for _ in range(300):
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+        pieces = [rng.choice(list(ids)) for _ in range(rng.randint(1, 12))]
+        text, found = "".join(pieces), []
+        for end in range(1, len(pieces) + 1):
+            so_far = "".join(pieces[:end])
+            if found := [i for i in (so_far.find(stop) for stop in stops) if i >= 0]:
+                break
+        expected = text[: min(found)] if found else text
+        s = TextStream(TOKENIZER, stops)
+        for n, piece in enumerate(pieces, 1):
+            for t in ids[piece]:
+                s.push(t)
+            assert expected.startswith(s.text), (text, stops)
+            if not s.stopped:
+                assert len("".join(pieces[:n])) - len(s.text) < max(map(len, stops))
+        s.finish()
+        assert s.text == expected and s.stopped == bool(found), (text, stops)
