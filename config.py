@@ -192,6 +192,11 @@ class Settings:
     max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
     ttft_target_s: float = 0.0  # refuse (429) a request that could not start within this; 0: off
     api_keys_file: str = ""  # keys (sha256-hashed or plain), each with its tenant, weight and limits (TOML or JSON)
+    admin_api_key: str = ""  # the operator's key, beside the keys file's `admin = true` tenants (docs/operations.md)
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter exist (for the
+    # operator only), loading adapters from directories under LORA_ROOT alone
+    allow_runtime_lora_updating: bool = False
+    lora_root: str = ""
     fault_hang_at_step: int = 0  # fault injection for tests: the engine step with this number hangs; 0: off
     fault_fail_marker: str = ""  # fault injection for tests: a prompt with this text fails in its first step; "": off
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -211,8 +216,19 @@ class Settings:
             raise ValueError(f"SWITCH_INTERVAL_MS must be at least 0 (0: Python's), got {self.switch_interval_ms}")
         if self.stream_interval < 1:
             raise ValueError(f"STREAM_INTERVAL must be at least 1, got {self.stream_interval}")
-        if self.front_door.limit_by == "key" and not (self.api_key or self.api_keys_file):
-            raise ValueError("LIMIT_BY=key counts requests by their API key: set API_KEY or API_KEYS_FILE")
+        if self.front_door.limit_by == "key" and not self.keyed:
+            raise ValueError(
+                "LIMIT_BY=key counts requests by their API key: set API_KEY, API_KEYS_FILE or ADMIN_API_KEY"
+            )
+        if self.allow_runtime_lora_updating and not self.lora_root:
+            raise ValueError("ALLOW_RUNTIME_LORA_UPDATING needs LORA_ROOT: the directory adapters may be loaded from")
+        if self.lora_root and not os.path.isdir(self.lora_root):
+            raise ValueError(f"LORA_ROOT must be a directory, got {self.lora_root!r}")
+
+    @property
+    def keyed(self) -> bool:
+        """Whether requests need an API key (any of API_KEY, API_KEYS_FILE, ADMIN_API_KEY)."""
+        return bool(self.api_key or self.api_keys_file or self.admin_api_key)
 
     @property
     def replica(self) -> str:
@@ -251,12 +267,18 @@ class Settings:
         if not self.exposed:
             return []
         warnings = [] if front else [self.no_front_warning]
-        if not (self.api_key or self.api_keys_file):
+        if not self.keyed:
             warnings.append(f"HOST={self.host} and no API_KEY: anyone who reaches this port can generate")
+        if self.allow_runtime_lora_updating and not (self.api_keys_file or self.admin_api_key):
+            warnings.append(
+                f"HOST={self.host} with ALLOW_RUNTIME_LORA_UPDATING and no operator (ADMIN_API_KEY, or an admin "
+                "tenant in API_KEYS_FILE): every client may load and unload adapters"
+            )
         return warnings
 
     def redacted(self) -> "Settings":  # these settings, safe to log
-        return replace(self, api_key="***" if self.api_key else "")
+        hidden = lambda key: "***" if key else ""  # noqa: E731
+        return replace(self, api_key=hidden(self.api_key), admin_api_key=hidden(self.admin_api_key))
 
     @classmethod
     def of(cls, **values) -> "Settings":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flask import Blueprint, Response, abort, jsonify, request
 
+from api import tenants
 from api.errors import bad
 from api.sampling import server
 from batching.timeline import timeline
@@ -27,9 +28,7 @@ routes = Blueprint("dashboard", __name__)
 def page():
     # The page learns whether to ask for a key before its first request, so it never draws a 401.
     html = (PAGE_DIR / "index.html").read_text()
-    html = html.replace(
-        "{{key_required}}", "true" if server().settings.api_key or server().settings.api_keys_file else "false"
-    )
+    html = html.replace("{{key_required}}", "true" if server().settings.keyed else "false")
     return _static(html, "text/html")
 
 
@@ -42,7 +41,7 @@ def asset(name: str):
 
 @routes.get("/stats/timeline")
 def stats_timeline():
-    return jsonify(timeline(server().manager, _cursor("since"), _cursor("events_since")))
+    return jsonify(timeline(server().manager, _cursor("since"), _cursor("events_since"), tenants.view()))
 
 
 def _cursor(name: str) -> int:

@@ -4,7 +4,8 @@
 /v1/chat/completions each hand it their body, their prompt and their max tokens. It checks what depends
 on the served model (`model`, `top_k` and `logit_bias` against the vocabulary, `min_tokens` and
 `max_tokens` against the context, each prompt against the context and the KV cache), tokenizes the
-prompts, names the tenant and compiles a constraint when one is asked for. The served model is `Server`.
+prompts, names the tenant (and holds `priority` to what its key allows) and compiles a constraint when
+one is asked for. The served model is `Server`.
 """
 
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ def to_generation(
     served = served or server()
     engine, vocab = served.engine, served.tokenizer.n_vocab
     lora = check_model(body.model, served)
-    tenant = tenants.tenant_of(body.user)
+    tenant = tenants.tenant_of(body.user, body.priority)
     extras = body if isinstance(body, SamplingRequest) else NO_EXTRAS
     if body.top_k > vocab:
         raise bad(f"'top_k' must be between -1 and {vocab}, got {body.top_k}", "top_k")

@@ -13,9 +13,18 @@ and optionally its weight and admission limits:
     max_waiting = 64    # more waiting is refused with 429 (tenant_max_waiting)
     max_running = 16    # a request arriving while this many run is refused with 429 (tenant_max_running)
 
+    admin = true        # the operator: LoRA loading, every tenant's figures and batches (docs/operations.md)
+    min_priority = -10  # the most urgent `priority` its requests may ask for (default 0)
+
 A key written "sha256:<hex>" is stored as that hash; any other is hashed when the file is read and the
 text dropped: only hashes are kept, and no key is ever logged or put in an error message. API_KEY, if
-set, still works beside the file (its requests name their tenant with `user`).
+set, still works beside the file (its requests name their tenant with `user`, which may not name a
+tenant of the file); ADMIN_API_KEY is the operator's key.
+
+Who may do what (the caller, set before each request): a key's tenant owns its Batch API files and
+batches and sees its own figures; the operator (an admin tenant, or ADMIN_API_KEY) sees and changes
+everything. A server with neither a keys file nor ADMIN_API_KEY has one party, whoever holds API_KEY
+(or anyone, without it): it is the operator, as before roles existed.
 """
 
 import hashlib
@@ -27,7 +36,9 @@ from pathlib import Path
 
 from flask import g, request
 
-from api.errors import ApiError
+from api.errors import ApiError, bad
+from api.protocol import PRIORITY_LIMIT
+from batching.tenant_stats import TenantView
 from config import Settings
 from generate.fair_share import SHARED
 
@@ -43,6 +54,21 @@ class Tenant:
     weight: float = 1.0
     max_waiting: int | None = None
     max_running: int | None = None
+    admin: bool = False  # the operator's
+    min_priority: int = 0  # the most urgent priority its requests may ask for
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent the request: the owner of what it stores, its tenant (if its key names one), its role."""
+
+    owner: str  # "tenant:<name>", "operator" (ADMIN_API_KEY) or "shared" (API_KEY, or no key)
+    tenant: str | None = None
+    operator: bool = False
+    min_priority: int = 0
+
+
+NOBODY = Caller("shared")  # an open path's caller: no tenant, no role
 
 
 def _hash(key: str) -> str:
@@ -84,7 +110,7 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
     where = f"API_KEYS_FILE {path}: tenant {name!r}"
     if not name or not isinstance(entry, dict):
         raise ValueError(f"{where}: each tenant must be a non-empty name with a table of fields")
-    unknown = set(entry) - {"keys", "weight", "max_waiting", "max_running"}
+    unknown = set(entry) - {"keys", "weight", "max_waiting", "max_running", "admin", "min_priority"}
     if unknown:
         raise ValueError(f"{where}: unknown field {min(unknown)!r}")
     keys = entry.get("keys")
@@ -100,7 +126,12 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
     limits = [entry.get(field) for field in ("max_waiting", "max_running")]
     if any(v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1) for v in limits):
         raise ValueError(f"{where}: 'max_waiting' and 'max_running' must be integers of at least 1")
-    return Tenant(name, float(weight), *limits)
+    admin, floor = entry.get("admin", False), entry.get("min_priority", 0)
+    if not isinstance(admin, bool):
+        raise ValueError(f"{where}: 'admin' must be true or false")
+    if isinstance(floor, bool) or not isinstance(floor, int) or not -PRIORITY_LIMIT <= floor <= PRIORITY_LIMIT:
+        raise ValueError(f"{where}: 'min_priority' must be an integer from {-PRIORITY_LIMIT} to {PRIORITY_LIMIT}")
+    return Tenant(name, float(weight), *limits, admin, floor)
 
 
 def load_keys(settings: Settings) -> KeyRing | None:
@@ -108,29 +139,78 @@ def load_keys(settings: Settings) -> KeyRing | None:
 
 
 def authenticate(settings: Settings, keys: KeyRing | None, open_paths: tuple[str, ...]) -> None:
-    """Before each request: a key from the file names the request's tenant; API_KEY lets it in without
-    one; with either configured, anything else is a 401 (but for the open paths)."""
-    if BATCH_TENANT in request.environ:  # one of the server's own Batch API requests
-        g.key_tenant = request.environ[BATCH_TENANT]
+    """Before each request: who the caller is (g.caller). A key from the file names its tenant; API_KEY
+    and ADMIN_API_KEY let a request in without one; with any configured, anything else is a 401 (but
+    for the open paths)."""
+    g.keys = keys
+    if BATCH_TENANT in request.environ:  # one of the server's own Batch API requests: its batch's tenant
+        tenant = request.environ[BATCH_TENANT] or None
+        g.caller = Caller(f"tenant:{tenant}" if tenant else "shared", tenant, False, -PRIORITY_LIMIT)
         return
-    if (not settings.api_key and keys is None) or request.path in open_paths:
+    single_party = keys is None and not settings.admin_api_key  # no roles: whoever gets in runs the server
+    if not settings.keyed:
+        g.caller = Caller("shared", None, True, -PRIORITY_LIMIT)
+        return
+    if request.path in open_paths:
+        g.caller = NOBODY
         return
     given = request.headers.get("Authorization", "").removeprefix("Bearer ")
     tenant = keys.tenant(given) if keys is not None else None
     if tenant is not None:
-        g.key_tenant = tenant.name
-    elif not (settings.api_key and hmac.compare_digest(given.encode(), settings.api_key.encode())):
+        g.caller = Caller(f"tenant:{tenant.name}", tenant.name, tenant.admin, tenant.min_priority)
+    elif _same(given, settings.admin_api_key):
+        g.caller = Caller("operator", None, True, -PRIORITY_LIMIT)
+    elif _same(given, settings.api_key):
+        g.caller = Caller("shared", None, single_party, -PRIORITY_LIMIT if single_party else 0)
+    else:
         message = "a valid 'Authorization: Bearer <API key>' header is required"
         raise ApiError(401, message, "authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
 
+def _same(given: str, key: str) -> bool:
+    """`given` is `key` (compared in constant time); an unset key matches nothing."""
+    return bool(key) and hmac.compare_digest(given.encode(), key.encode())
+
+
+def caller() -> Caller:
+    return g.get("caller", NOBODY)
+
+
 def key_tenant() -> str | None:
     """The tenant of the request's API key (or of its batch), if it has one."""
-    return g.get("key_tenant")
+    return caller().tenant
 
 
-def tenant_of(user: str | None) -> str:
-    """The request's tenant: its key's, else its `user` field's, else the shared one."""
+def view() -> TenantView:
+    """Whose figures and request events the caller sees in /stats, /metrics and /stats/timeline: every tenant's
+    (the operator), its key's tenant's own, or (any other key) no tenant's."""
+    return TenantView(caller().operator, key_tenant())
+
+
+def require_operator(what: str) -> None:
+    """A 403 unless the caller is the operator (an admin tenant, ADMIN_API_KEY, or a server without roles)."""
+    if not caller().operator:
+        raise ApiError(403, f"only the operator may {what}", "permission_error")
+
+
+def tenant_of(user: str | None, priority: int = 0) -> str:
+    """The request's tenant: its key's, else its `user` field's, else the shared one. A `user` may not
+    name a tenant of the keys file: that tenant's limits and share are spent only with its key. Its
+    `priority` is checked here too, against what the key allows."""
+    _check_priority(priority)
     if user is not None and len(user) > MAX_USER:
         raise ApiError(400, f"'user' must be at most {MAX_USER} characters", param="user")
-    return key_tenant() or user or SHARED
+    if key_tenant():
+        return key_tenant()
+    keys: KeyRing | None = g.get("keys")
+    if user and keys is not None and user in keys.tenants:
+        raise bad(f"'user' {user!r} names a tenant of the keys file: its requests need one of its keys", "user")
+    return user or SHARED
+
+
+def _check_priority(priority: int) -> None:
+    """A 400 for a `priority` more urgent than the caller may ask for (its tenant's min_priority)."""
+    floor = caller().min_priority
+    if priority < floor:
+        message = f"'priority' must be at least {floor} for this API key (its tenant's min_priority), got {priority}"
+        raise bad(message, "priority")

@@ -43,9 +43,12 @@ class RequestEvent:
     lora: str | None = None  # the LoRA adapter's name on every event of a request that runs through one
     ttft_s: float | None = None  # on "finished": time to first token
     latency_s: float | None = None  # on "finished": arrival to the last token
+    tenant: str = ""  # whose request it is: kept to show a tenant its own events only, never shown
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        shown = asdict(self)
+        del shown["tenant"]
+        return shown
 
 
 class EventLog:
@@ -67,6 +70,7 @@ class EventLog:
         at: float | None = None,
         constraint: str | None = None,
         lora: str | None = None,
+        tenant: str = "",
         **ending: float | None,
     ) -> None:
         assert kind in PHASE_AFTER, kind
@@ -76,6 +80,7 @@ class EventLog:
             event = RequestEvent(
                 self._count, at, request, kind, prompt_tokens, generated_tokens, constraint, lora, **ending
             )
+            event.tenant = tenant
             self._events.append(event)
 
     @property

@@ -15,11 +15,15 @@ from prometheus_client.registry import Collector
 from batching.histograms import HISTOGRAMS
 from batching.live import LIVE_VALUES, LiveTable, Reading
 from batching.step_summary import StepSummary
+from batching.tenant_stats import EVERY_TENANT, TenantView, only_shown
 
 
-def render(live: LiveTable, steps: StepSummary, loras: Metric | None = None) -> tuple[bytes, str]:
+def render(
+    live: LiveTable, steps: StepSummary, loras: Metric | None = None, view: TenantView = EVERY_TENANT
+) -> tuple[bytes, str]:
+    """The scrape; per-tenant series only for the tenants `view` shows."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Scrape(live, steps, loras))
+    registry.register(_Scrape(live, steps, loras, view))
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
@@ -34,11 +38,11 @@ def lora_requests_info(model: str, running: list[str], waiting: list[str], max_l
 
 
 class _Scrape(Collector):
-    def __init__(self, live: LiveTable, steps: StepSummary, loras: Metric | None) -> None:
-        self.live, self.steps, self.loras = live, steps, loras
+    def __init__(self, live: LiveTable, steps: StepSummary, loras: Metric | None, view: TenantView) -> None:
+        self.live, self.steps, self.loras, self.view = live, steps, loras, view
 
     def collect(self) -> Iterator[Metric]:
-        values = self.live.values()
+        values = only_shown(self.live.values(), self.view, self.live.engine.scheduler.fair.ledger)
         model = self.live.model_name
         for row in LIVE_VALUES:
             if row.metric:

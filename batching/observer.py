@@ -144,7 +144,15 @@ class LoopObserver:
         constraint_kind = constraint.constraint.kind if constraint is not None else None
         lora = inference.lora.name if inference.lora is not None else None
         self.events.record(
-            inference.seq.seq_id, kind, inference.seq.num_prompt_tokens, generated, at, constraint_kind, lora, **ending
+            inference.seq.seq_id,
+            kind,
+            inference.seq.num_prompt_tokens,
+            generated,
+            at,
+            constraint_kind,
+            lora,
+            inference.tenant,
+            **ending,
         )
         inference.phase = PHASE_AFTER[kind] or kind
 

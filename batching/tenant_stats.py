@@ -1,11 +1,13 @@
 """The live table's per-tenant rows (fair share, generate/fair_share.py), labelled `tenant`: at most
 MAX_LABELS tenants by name, the rest as "other"; the shared tenant (requests that name none) as "shared".
-Each row is `tenant_<what>` in /stats and `gpt2_tenant_<what>` in /metrics."""
+Each row is `tenant_<what>` in /stats and `gpt2_tenant_<what>` in /metrics. A reader shown only some
+tenants (a tenant's key sees its own: api/stats.py) gets the rows with the others' labels left out."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batching.live_value import LiveValue
+from batching.live_value import LiveValue, Reading
 from generate.fair_share import Ledger
 
 if TYPE_CHECKING:
@@ -48,3 +50,31 @@ TENANT_VALUES = tuple(
     LiveValue(f"tenant_{what}", f"gpt2_tenant_{what}", kind, help, READERS[what], label="tenant")
     for what, kind, help in ROWS
 )
+TENANT_KEYS = frozenset(row.key for row in TENANT_VALUES)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantView:
+    """Which tenants a reader sees the figures and request events of: every one (the operator's view), or only
+    its own `tenant` (None: no tenant's)."""
+
+    every: bool = True
+    tenant: str | None = None
+
+    def shows(self, tenant: str) -> bool:
+        return self.every or (self.tenant is not None and tenant == self.tenant)
+
+    def shows_label(self, label: str, ledger: Ledger) -> bool:
+        """A label it may see: "other", which several tenants share, only in the operator's view."""
+        return self.every or (self.tenant is not None and label == ledger.label_of(self.tenant))
+
+
+EVERY_TENANT = TenantView()
+
+
+def only_shown(values: dict[str, Reading], view: TenantView, ledger: Ledger) -> dict[str, Reading]:
+    """The live values with each per-tenant row cut to the labels the view shows."""
+    if view.every:
+        return values
+    shown = lambda row: {label: n for label, n in row.items() if view.shows_label(label, ledger)}  # noqa: E731
+    return {key: shown(value) if key in TENANT_KEYS else value for key, value in values.items()}

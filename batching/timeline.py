@@ -4,34 +4,41 @@ the same figures as /stats "window").
 
 Steps and events are paged separately (`since`, `events_since`): each has its own index, and a
 client passes back the response's `next` to get only what is new. Only steps whose record is
-final are returned, so a record is never sent half-written.
+final are returned, so a record is never sent half-written. A reader shown only its own tenant
+(`TenantView`) gets that tenant's request events and figures alone; the steps, whose-ever they are, show
+only counts.
 """
 
 import time
 from typing import TYPE_CHECKING
 
+from batching.tenant_stats import EVERY_TENANT, TenantView, only_shown
 from generate.engine import device_and_dtype
 
 if TYPE_CHECKING:
     from batching.manager import BatchingManager
 
 
-def timeline(manager: "BatchingManager", since: int = 0, events_since: int = 0) -> dict:
+def timeline(
+    manager: "BatchingManager", since: int = 0, events_since: int = 0, view: TenantView = EVERY_TENANT
+) -> dict:
     now = time.time()
     kept_steps, kept_events = manager.finished_steps(), manager.events.since(0)
     steps = [r for r in kept_steps if r.index > since]
-    events = [e for e in kept_events if e.index > events_since]
+    newer = [e for e in kept_events if e.index > events_since]  # the cursor moves past others' events too
+    events = [e for e in newer if view.shows(e.tenant)]
+    ledger = manager.engine.scheduler.fair.ledger
     return {
         "now": now,
         "server": server_info(manager),
-        "live": manager.live.values(),
+        "live": only_shown(manager.live.values(), view, ledger),
         "window": manager.live.window_figures(),
         "steps": [r.as_dict() for r in steps],
         "events": [e.as_dict() for e in events],
         "next": {
             # a cursor past the newest record (a restarted server) falls back to it, so the client catches up
             "since": steps[-1].index if steps else min(since, manager.steps_done),
-            "events_since": events[-1].index if events else min(events_since, manager.events.count),
+            "events_since": newer[-1].index if newer else min(events_since, manager.events.count),
         },
     }
 

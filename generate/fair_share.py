@@ -48,6 +48,11 @@ class Ledger:
                 found = self._labels[tenant] = SHARED_LABEL if tenant == SHARED else tenant
             return found
 
+    def label_of(self, tenant: str) -> str | None:
+        """The tenant's own label, if it has one (not "other", which several share); assigns none."""
+        with self._lock:
+            return self._labels.get(tenant)
+
     def served(self, tenant: str, prompt_tokens: int, generated_tokens: int) -> None:
         label = self.label(tenant)
         with self._lock:

@@ -31,13 +31,14 @@ class LoraRegistry:
         self._ids = itertools.count(1)  # 0 is the base model
         self._lock = threading.Lock()
 
-    def load(self, name: str, path: str) -> LoraAdapter:
-        """Read and register the adapter at `path` as `name`; LoraError (or ValueError) says why not."""
+    def load(self, name: str, path: str, root: str | None = None) -> LoraAdapter:
+        """Read and register the adapter at `path` (under `root`, if given: loads while serving) as `name`;
+        LoraError (or ValueError) says why not."""
         if self.config is None:
             raise LoraError("this engine (ENGINE=sim) serves no LoRA adapters")
         with self._lock:
             self._check_name(name)
-        rank, weights = read_adapter(path, self.config, self.max_rank)  # outside the lock: it reads files
+        rank, weights = read_adapter(path, self.config, self.max_rank, root)  # outside the lock: it reads files
         with self._lock:
             self._check_name(name)  # again: another request may have taken it meanwhile
             adapter = LoraAdapter(name, path, next(self._ids), rank, weights)

@@ -14,8 +14,13 @@ NEW_TOKENS = 8
 
 @pytest.fixture
 def lora_app(make_app, lora_adapters, tmp_path):
-    """An app started with LORA_MODULES=alpha=..., its test client."""
-    app, manager = make_app(lora_modules=f"alpha={lora_adapters['alpha']}", data_dir=str(tmp_path / "data"))
+    """An app started with LORA_MODULES=alpha=... and runtime loading from the adapters' directory, its test client."""
+    app, manager = make_app(
+        lora_modules=f"alpha={lora_adapters['alpha']}",
+        data_dir=str(tmp_path / "data"),
+        allow_runtime_lora_updating=True,
+        lora_root=str(lora_adapters["alpha"].parent),
+    )
     yield app, app.test_client()
     manager.shut_down(0)
 
@@ -79,8 +84,8 @@ def test_load_use_list_unload_then_404(lora_app, lora_adapters, peft_greedy):
     [
         ("/v1/load_lora_adapter", {"lora_name": "x"}, 400, "lora_path", "'lora_path' must be"),
         ("/v1/load_lora_adapter", {"lora_path": "/tmp"}, 400, "lora_name", "'lora_name' must be"),
-        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere/at/all"}, 400, "lora_path", "not exist"),
-        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}, 400, "lora_path", "not a LoRA adapter"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere/at/all"}, 400, "lora_path", "cannot load"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}, 400, "lora_path", "cannot load"),
         ("/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": "ALPHA"}, 400, "lora_name", "already"),
         ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp", "extra": 1}, 400, "extra", "extra"),
         ("/v1/unload_lora_adapter", {"lora_name": "nobody"}, 404, "lora_name", "cannot be found"),
