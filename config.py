@@ -156,11 +156,21 @@ class BatchApiSettings:
     data_dir: str = "data"  # the Batch API's files and batches (they survive a restart there)
     batch_max_file_bytes: int = 8 << 20  # an uploaded batch file
     batch_max_requests: int = 10_000  # lines of one batch file
-    batch_in_flight: int = 32  # a batch's requests in the server at once
+    batch_in_flight: int = 32  # the Batch API's requests in the server at once, shared fairly between tenants
+    # Each tenant's share of DATA_DIR: the bytes of its files (uploads and batch outputs), and its batches not yet
+    # ended; past either, an upload or a new batch is refused with 429 (0: no limit)
+    batch_tenant_max_bytes: int = 256 << 20
+    batch_tenant_max_batches: int = 16
+    batch_retention_s: float = 30 * 24 * 3600.0  # files and ended batches are removed this long after (0: kept)
+    batch_max_retries: int = 6  # a line refused for load (429, 503, 504) is tried again this often, backing off
 
     def __post_init__(self) -> None:
         if self.batch_max_file_bytes < 1 or self.batch_max_requests < 1 or self.batch_in_flight < 1:
             raise ValueError("BATCH_MAX_FILE_BYTES, BATCH_MAX_REQUESTS and BATCH_IN_FLIGHT must be positive")
+        if min(self.batch_tenant_max_bytes, self.batch_tenant_max_batches, self.batch_max_retries) < 0:
+            raise ValueError("BATCH_TENANT_MAX_BYTES, BATCH_TENANT_MAX_BATCHES and BATCH_MAX_RETRIES must be >= 0")
+        if not 0 <= self.batch_retention_s < float("inf"):
+            raise ValueError(f"BATCH_RETENTION_S must be seconds >= 0 (0: kept), got {self.batch_retention_s}")
 
 
 @dataclass(frozen=True, slots=True)

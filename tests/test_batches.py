@@ -104,8 +104,10 @@ def test_a_chat_batch_and_bad_requests_to_the_api(server):
         assert out[f"c{i}"]["choices"][0]["message"]["content"] == alone.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=batch.input_file_id, endpoint="/v1/completions", completion_window="1h")
-    with pytest.raises(openai.BadRequestError, match="input_file_id"):
+    with pytest.raises(openai.NotFoundError, match="file-nope"):  # as another key's file would be
         client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="purpose 'batch'"):
+        client.batches.create(input_file_id=done.output_file_id, endpoint="/v1/completions", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope")
     with pytest.raises(openai.BadRequestError, match="purpose"):
