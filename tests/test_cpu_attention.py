@@ -84,3 +84,26 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "None", done.stderr
     assert not (tmp_path / name / "lock").exists()
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE)
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_kernel_reads_no_slot_past_a_sequence_context(dtype, block_size):
+    """Every slot no sequence holds, and every slot past a context in its last block, is NaN: one read of them
+    would poison the row (the kernel reads keys 16 at a time, and a block's last group is partial)."""
+    shapes = SHAPES["decodes"] + SHAPES["chunks"]
+    seqs = scheduled(block_size, num_blocks=600, shapes=shapes, seed=3)
+    gen = torch.Generator().manual_seed(1)
+    caches = [random_cache("head-major", 600, block_size, gen).to(dtype) for _ in range(2)]
+    held = torch.zeros(600, block_size, dtype=torch.bool)  # [NB, bs]
+    for seq in seqs:
+        held.view(-1)[torch.tensor(seq.block_table)[:, None] * block_size + torch.arange(block_size)] = True
+        last, used = seq.block_table[-1], (seq.num_computed_tokens + seq.num_scheduled_tokens - 1) % block_size + 1
+        held[last, used:] = False
+    for cache in caches:
+        cache[~held] = float("nan")
+    rows = sum(s.num_scheduled_tokens for s in seqs)
+    q = torch.randn((rows, H, D), generator=gen).to(dtype)
+    expected = dense_attention(q, *caches, seqs, block_size)
+    got = cpu_attention.CpuAttention(build_step_inputs(seqs, block_size, CPU).paged).attend(q, *caches)
+    torch.testing.assert_close(got.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
