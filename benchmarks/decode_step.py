@@ -19,6 +19,12 @@ ASYNC_SCHEDULING, DEVICE, DTYPE), so the same command measures each backend:
     python -m benchmarks.decode_step --model gpt2 --batch-sizes 1,8 --steps 10      # CPU
     DEVICE=cuda python -m benchmarks.decode_step --profile     # and a profiler's table of one decode step per batch
     DEVICE=cuda python -m benchmarks.decode_step --sweep --batch-sizes 32,128,256   # the kernel's knobs instead
+    python -m benchmarks.decode_step --model gpt2 --ops --batch-sizes 64 --context 256   # CPU kernels alone
+
+--ops times the CPU kernels (model/cpu_attention.cpp) alone, every layer's cache in turn (a pool far past the
+last-level cache, as a step reads it): storing a step's keys and values (one row per sequence, and a prompt chunk
+of --context rows) and a decode row's attention per sequence, each in GB/s of the bytes it must move against a
+large copy's.
 """
 
 import argparse
@@ -32,7 +38,7 @@ from config import EngineSettings
 from generate.engine import Engine, device_and_dtype, set_products
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
-from model.gpt2 import GPT, PRESETS
+from model.gpt2 import GPT, PRESETS, GPTConfig
 from model.loader import load_model
 
 BLOCK_SIZE = 16
@@ -53,6 +59,7 @@ def parse_args() -> argparse.Namespace:
         "--sweep", action="store_true", help="time one layer's decode attention under every kernel setting instead"
     )
     parser.add_argument("--heads", type=int, help="--sweep: attention heads (default: the model's)")
+    parser.add_argument("--ops", action="store_true", help="time the CPU kernels alone instead (store, attention)")
     return parser.parse_args()
 
 
@@ -86,6 +93,48 @@ def copy_bandwidth(device: torch.device) -> float:
         dst.copy_(src)
     synchronize(device)
     return 2 * 10 * src.numel() / (time.perf_counter() - start)
+
+
+def time_ops(config: GPTConfig, dtype: torch.dtype, batch: int, context: int, bandwidth: float) -> None:
+    """Print the CPU kernels' ms per layer and GB/s: storing keys and values, and a decode step's attention."""
+    from model import cpu_attention
+    from model.attention import paged_cache
+
+    assert cpu_attention.available(), cpu_attention.build_problem()
+    H, D, L, per_seq = config.n_head, config.head_dim, config.n_layer, -(-(context + 1) // BLOCK_SIZE)
+    cache = paged_cache(L, 2, blocks=batch * per_seq, block_size=BLOCK_SIZE, heads=H, head_dim=D, dtype=dtype)
+    cache.normal_()  # [L, 2, NB, bs, H, D], every page written before the clock starts
+    tables = torch.randperm(batch * per_seq).view(batch, per_seq)  # [B, W]: blocks anywhere in the pool
+    row_bytes = H * D * cache.element_size()  # one token's keys (or values) in one layer
+
+    def per_layer(run, repeats: int) -> float:
+        run(0)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for layer in range(L):
+                run(layer)
+        return (time.perf_counter() - start) / (repeats * L)
+
+    def store(rows: torch.Tensor, slots: torch.Tensor) -> tuple[float, float]:  # seconds, bytes/s
+        seconds = per_layer(lambda i: torch.ops.gpt2_cpu.store_kv(cache[i, 0], cache[i, 1], rows, rows, slots), 20)
+        return seconds, 2 * 2 * rows.shape[0] * row_bytes / seconds  # keys and values, read and written
+
+    new = torch.randn(max(batch, context), H, D).to(dtype)  # [T, H, D]
+    decode_slots = tables[:, -1] * BLOCK_SIZE  # each sequence's last block
+    chunk_slots = tables[0, :].repeat_interleave(BLOCK_SIZE)[:context] * BLOCK_SIZE + torch.arange(context) % BLOCK_SIZE
+    q, lens = torch.randn(batch, H, D).to(dtype), torch.full((batch,), context)
+    query_start = torch.arange(batch + 1)
+    attend = lambda i: cpu_attention._kernel(q, cache[i, 0], cache[i, 1], query_start, lens, tables, D**-0.5)  # noqa: E731
+    attention = per_layer(attend, 3)
+    rows = [
+        ("store_kv, a decode row per sequence", *store(new[:batch], decode_slots)),
+        (f"store_kv, a {context}-token prompt chunk", *store(new[:context], chunk_slots)),
+        (f"attention, a decode row per sequence over {context} keys", attention,
+         2 * batch * context * row_bytes / attention),
+    ]  # fmt: skip
+    print(f"batch {batch}: op | ms a layer | GB/s | of a copy's {bandwidth / 1e9:.1f}")
+    for name, seconds, rate in rows:
+        print(f"  {name} | {1000 * seconds:.4f} | {rate / 1e9:.1f} | {100 * rate / bandwidth:.0f}%")
 
 
 def make_engine(model: GPT, settings: EngineSettings, batch: int, context: int, steps: int) -> tuple[Engine, int]:
@@ -166,6 +215,12 @@ def main() -> None:
         config = PRESETS[args.model]
         config = replace(config, n_head=args.heads, n_embd=args.heads * config.head_dim) if args.heads else config
         sweep(config, batch_sizes, args.context, dtype, device, args.steps)
+        return
+    if args.ops:
+        bandwidth = args.bandwidth or copy_bandwidth(device)
+        print(f"{args.model}'s CPU kernels, {dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+        for batch in batch_sizes:
+            time_ops(PRESETS[args.model], dtype, batch, args.context, bandwidth)
         return
     model = load_model(f"random:{args.model}", device, dtype).model
     set_products(model, settings, device, dtype)  # as the server does (Engine.from_settings)

@@ -60,3 +60,19 @@ def test_sweep_prints_every_knob_combination_with_the_default_first():
     assert len(knobs) == len(expected) == 36 and set(knobs) == expected
     assert [r[0] for r in rows].count("*") == 1 and rows[0][0] == "*"  # the engine's default, marked once
     assert all(float(r[7]) > 0 and r[5:7] == ["1", "8"] for r in rows)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernel does not build here")
+def test_ops_prints_each_cpu_kernel_with_the_rate_its_bytes_and_time_give():
+    run = decode_step("--ops", "--model", "gpt2", "--batch-sizes", "2,3", "--context", "40", DTYPE="float32")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")] for line in run.stdout.splitlines() if line.startswith("  ")]
+    assert [row[0] for row in rows] == 2 * [
+        "store_kv, a decode row per sequence",
+        "store_kv, a 40-token prompt chunk",
+        "attention, a decode row per sequence over 40 keys",
+    ]
+    for batch, (name, ms, gb_per_s, _) in zip((2, 2, 2, 3, 3, 3), rows, strict=True):
+        tokens = {"attention": batch * 40, "store_kv, a decode": 2 * batch, "store_kv, a 40": 2 * 40}
+        moved = 2 * 12 * 64 * 4 * next(n for start, n in tokens.items() if name.startswith(start))  # keys and values
+        assert float(gb_per_s) == pytest.approx(moved / float(ms) / 1e6, rel=0.05, abs=0.15)  # both printed rounded
