@@ -113,7 +113,10 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        h = gelu_new(with_lora(self.c_fc(x), x, batch, self.layer, "mlp.c_fc"))  # [T, 4C]
+        if batch.lora is None and getattr(self.c_fc, "fuses_gelu", False):  # oneDNN's, bfloat16 (model/cpu_linear.py)
+            h = self.c_fc.gelu_after(x)  # [T, 4C]
+        else:  # an adapter's delta goes in before the GELU
+            h = gelu_new(with_lora(self.c_fc(x), x, batch, self.layer, "mlp.c_fc"))  # [T, 4C]
         return with_lora(self.c_proj(h), h, batch, self.layer, "mlp.c_proj")  # [T, C]
 
 

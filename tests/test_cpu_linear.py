@@ -39,3 +39,17 @@ def test_the_swap_keeps_every_product_and_lets_the_plain_weights_go():
     assert torch.equal(model.wte.weight, embedding)  # the embedding still reads the LM head's plain weight
     weights = {name for name in model.state_dict() if name.endswith(".weight")}  # the plain product weights went:
     assert all(name.startswith(("wte.", "wpe.", "ln_f.")) or ".ln_" in name for name in weights), weights  # norms
+
+
+@pytest.mark.skipif(not (onednn_available() and native_bfloat16()), reason="no oneDNN bfloat16 products here")
+def test_a_bfloat16_mlp_takes_gelu_inside_its_product_and_keeps_its_values():
+    """oneDNN's GELU post-op against GPT-2's GELU in float64 on the same bfloat16 product: within the half ulp of
+    bfloat16 that rounding its result costs (2^-9 relative), and a little more for the sums' rounding."""
+    from model.gpt2 import gelu_new
+
+    linear = torch.nn.Linear(64, 256).to(torch.bfloat16)
+    layer = OneDNNLinear(linear)
+    assert layer.fuses_gelu and not OneDNNLinear(torch.nn.Linear(4, 4)).fuses_gelu  # float32 keeps its own
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    product = x.double() @ linear.weight.double().T + linear.bias.double()
+    torch.testing.assert_close(layer.gelu_after(x).double(), gelu_new(product), rtol=2**-8, atol=2**-8)
