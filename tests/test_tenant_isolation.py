@@ -29,6 +29,7 @@ from conftest import sim_settings
 from test_admission import metric
 
 from client.launch import start_server, stop_server
+from config import Settings
 
 # Two tenants, one allowed priorities down to -5, one that may have a single sequence waiting, and the operator.
 KEYS = {
@@ -416,3 +417,28 @@ def test_a_user_field_cannot_name_a_keyed_tenant(tiny):
     named = master.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "user": "alice"})
     assert named.status_code == 400 and error(named)["param"] == "user"
     assert master.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "user": "dave"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"ALLOW_RUNTIME_LORA_UPDATING": "true"}, "ALLOW_RUNTIME_LORA_UPDATING needs LORA_ROOT"),
+        ({"ALLOW_RUNTIME_LORA_UPDATING": "maybe"}, "ALLOW_RUNTIME_LORA_UPDATING must be on or off"),
+        ({"LORA_ROOT": "/no/such/directory"}, "LORA_ROOT must be a directory"),
+        ({"BATCH_RETENTION_S": "-1"}, "BATCH_RETENTION_S"),
+        ({"BATCH_RETENTION_S": "inf"}, "BATCH_RETENTION_S"),
+        ({"BATCH_TENANT_MAX_BYTES": "-1"}, "BATCH_TENANT_MAX_BYTES"),
+        ({"BATCH_TENANT_MAX_BATCHES": "-1"}, "BATCH_TENANT_MAX_BATCHES"),
+        ({"BATCH_MAX_RETRIES": "-1"}, "BATCH_MAX_RETRIES"),
+    ],
+)
+def test_a_bad_setting_stops_the_start_naming_it(monkeypatch, tmp_path, env, words):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=words):
+        Settings.from_env(str(tmp_path / "no.env"))
+
+
+def test_the_operators_key_is_never_logged():
+    settings = Settings(admin_api_key="operator-secret", api_key="shared-secret")
+    assert "secret" not in repr(settings.redacted())

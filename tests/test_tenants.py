@@ -54,6 +54,8 @@ def test_the_keys_file_keeps_hashes_only_and_gives_each_key_its_tenant(tmp_path)
         ('[tenants.a]\nkeys = ["secret-k"]\ncolour = 1', "unknown field 'colour'"),
         ('[tenants.a]\nkeys = ["sha256:abc"]', "64 hex digits"),
         ('[tenants.a]\nkeys = ["secret-k"]\nmax_running = 0', "'max_running'"),
+        ('[tenants.a]\nkeys = ["secret-k"]\nadmin = "yes"', "'admin'"),
+        ('[tenants.a]\nkeys = ["secret-k"]\nmin_priority = -1001', "'min_priority'"),
         ("tenants = 3", "'tenants' table"),
     ],
 )
