@@ -5,7 +5,7 @@ The checkpoint is drawn once from --seed, written as a Hugging Face directory wi
 server and vLLM load) and converted by llama.cpp's own convert_hf_to_gguf.py to f32 and f16 GGUF (what
 llama-server loads); all are kept in --work-dir, so a rerun converts nothing. Every system gets the same
 greedy requests (random token-id prompts, exact lengths, end-of-text ignored), all at once and then arriving
-about one a second, streamed; runs alternate (ours, vllm, llama f16, ours, ...) --repeats times. Each is
+about one a second, streamed (or whole: --no-stream); runs alternate (ours, vllm, llama f16, ours, ...) --repeats times. Each is
 measured for output tokens/s, TTFT and inter-token latency, the peak memory of its whole process tree, the
 cores it kept busy, and how many greedy outputs equal this server's. Results go to --out as results.json and
 report.md, with the CPU and its flags. The system `offline` is this server's own engine without the server
@@ -96,6 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=Path("results/peers/checkpoints"))
     parser.add_argument("--out", type=Path, help="results.json and report.md (default: results/peers/MODEL)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    parser.add_argument("--no-stream", dest="stream", action="store_false", help="answers whole, not streamed (this server, vLLM)")
     parser.add_argument("--rebuild", action="store_true", help="only rewrite report.md from --out's results.json")
     args = parser.parse_args(argv)
     args.prompt_tokens, args.new_tokens = _range(parser, args.prompt_tokens), _range(parser, args.new_tokens)
@@ -173,7 +174,7 @@ def start_system(
     hf_dir, ggufs = files
     if system == OURS:
         proc, url = start_server("dynamic", log_dir, MODEL=str(hf_dir.resolve()), **args.server_env)
-        send = functools.partial(stream_completion, url, temperature=0.0, timeout=args.timeout)
+        send = functools.partial(stream_completion, url, temperature=0.0, timeout=args.timeout, stream=args.stream)
         return proc, send, {"command": "./server.sh dynamic", "env": {"MODEL": str(hf_dir), **args.server_env}}
     if system == VLLM:
         # at least this server's and llama-server's KV pool (KV_TOKENS tokens): vLLM takes whole GiB
@@ -183,7 +184,9 @@ def start_system(
             args.vllm_python, hf_dir, log_dir, args.dtype, args.threads, kv_gb, flags
         )
         model = str(hf_dir.resolve())  # vLLM names the model by the path it was given
-        send = functools.partial(stream_completion, url, temperature=0.0, timeout=args.timeout, model=model)
+        send = functools.partial(
+            stream_completion, url, temperature=0.0, timeout=args.timeout, model=model, stream=args.stream
+        )
         return proc, send, {"command": shlex.join(command), "env": {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gb:g}"}}
     flags = shlex.split(args.llama_flags)
     proc, url, command = llama_server.start(

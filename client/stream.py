@@ -1,7 +1,8 @@
 """One streamed /v1/completions request, timed as serving benchmarks time it.
 
 TTFT is from sending to the first streamed text; inter-token latencies are the gaps between
-text events; the token counts come from the usage event the server sends last.
+text events; the token counts come from the usage event the server sends last. Not streamed
+(stream=False), a request has its latency and its usage's counts, and no TTFT.
 """
 
 import json
@@ -16,25 +17,32 @@ from client.workloads import Request
 
 
 def stream_completion(
-    url: str, request: Request, *, temperature: float, timeout: float, model: str | None = None
+    url: str, request: Request, *, temperature: float, timeout: float, model: str | None = None, stream: bool = True
 ) -> RequestResult:
     """Send `request` (to `model`, if the server needs one named) and time it; never raises for a failed request,
     which is recorded instead. Any OpenAI-compatible server that takes token-id prompts and vLLM's `ignore_eos`
     answers it: this one, and vLLM (benchmarks/vllm_server.py)."""
-    body = {
-        "prompt": request.prompt_ids,
-        "max_tokens": request.num_tokens,
-        "temperature": temperature,
-        "seed": request.seed,
-        "ignore_eos": True,  # exactly the requested length, so every mode does the same work
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    } | ({"model": model} if model else {})
+    body = (
+        {
+            "prompt": request.prompt_ids,
+            "max_tokens": request.num_tokens,
+            "temperature": temperature,
+            "seed": request.seed,
+            "ignore_eos": True,  # exactly the requested length, so every mode does the same work
+            "stream": stream,
+        }
+        | ({"stream_options": {"include_usage": True}} if stream else {})
+        | ({"model": model} if model else {})
+    )
     start = time.perf_counter()
     try:
-        arrivals, usage, replica, text = _read_stream(url, body, timeout)
+        arrivals, usage, replica, text = (_read_stream if stream else _read_whole)(url, body, timeout)
     except RequestFailed as exc:
         return failure(str(exc), time.perf_counter() - start, request.num_tokens)
+    if not stream:
+        latency = time.perf_counter() - start
+        counts = usage["prompt_tokens"], usage["completion_tokens"]
+        return RequestResult(True, *counts, None, latency, None, request.num_tokens, replica=replica, text=text)
     return streamed(
         start,
         time.perf_counter(),
@@ -45,6 +53,18 @@ def stream_completion(
         replica=replica,
         text=text,
     )
+
+
+def _read_whole(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int], str | None, str]:
+    """_read_stream's answer for a request not streamed (no arrivals); raises RequestFailed for any error."""
+    try:
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
+        if response.status_code != 200:
+            raise RequestFailed(f"HTTP {response.status_code}: {error_message(response)}")
+        answer = response.json()
+        return [], answer["usage"], response.headers.get("X-Replica"), answer["choices"][0]["text"]
+    except (requests.RequestException, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise RequestFailed(f"malformed or broken answer: {type(exc).__name__}: {exc}") from exc
 
 
 def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int], str | None, str]:

@@ -195,6 +195,17 @@ def test_stream_records_a_refused_request_as_failed(tiny_checkpoint, tmp_path):
     assert not too_long.ok and too_long.error.startswith("HTTP 400") and "context" in too_long.error
 
 
+def test_a_request_not_streamed_has_its_counts_and_text_and_no_ttft(tiny_checkpoint, tmp_path):
+    request, too_long = Request([464, 46371, 28356], 12, seed=1), Request([464] * 1000, 100, seed=1)
+    with running_server("dynamic", tmp_path, MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="1024") as url:
+        streamed = stream_completion(url, request, temperature=0.0, timeout=60)
+        whole = stream_completion(url, request, temperature=0.0, timeout=60, stream=False)
+        refused = stream_completion(url, too_long, temperature=0.0, timeout=60, stream=False)
+    assert whole.ok and (whole.prompt_tokens, whole.output_tokens) == (3, 12)
+    assert whole.ttft_s is None and whole.itl_s == () and whole.text == streamed.text  # greedy: the same text
+    assert not refused.ok and refused.error.startswith("HTTP 400") and "context" in refused.error
+
+
 def test_rebuild_recomputes_summaries_from_the_raw_requests(tmp_path):
     results = {
         "title": "hand-made",

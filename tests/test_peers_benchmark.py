@@ -1,6 +1,7 @@
 """The peers comparison's parts that need no peer: the tokenizer files llama.cpp's converter and vLLM read, the
 requests, the greedy agreement, the memory of a process tree, and the errors when a peer is missing."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,19 @@ def test_peak_memory_counts_the_whole_process_tree():
         parent.wait(timeout=30)
     peaks = memory.peaks_mib()
     assert peaks["rss_mib"] > 200 and 200 < peaks["pss_mib"] <= peaks["rss_mib"]
+
+
+def test_the_offline_system_is_the_engine_on_the_same_requests(tiny_checkpoint, hf_greedy, tmp_path):
+    """benchmarks/offline_engine.py, as benchmarks.peers runs it for `offline`: every request's greedy tokens
+    (transformers' own), its wall time and the cores busy meanwhile."""
+    from client.launch import ROOT, server_env
+
+    requests = [([464, 46371, 28356], 5), ([40, 588, 257, 3797, 13], 7)]
+    (tmp_path / "requests.json").write_text(json.dumps(requests))
+    env = server_env(MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="256", DTYPE="float32")
+    command = [sys.executable, "-m", "benchmarks.offline_engine", str(tmp_path / "requests.json")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["tokens"] == [hf_greedy(prompt, n) for prompt, n in requests]
+    assert out["duration_s"] > 0 and (out["cpu"] is None or out["cpu"]["server"] > 0)
