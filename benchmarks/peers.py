@@ -1,16 +1,15 @@
-"""This server against its peers on CPU, side by side, on one random GPT-2 checkpoint: vLLM's OpenAI server (its
-CPU build, from its own virtual environment) and llama.cpp's llama-server.
-
-The checkpoint is drawn once from --seed, written as a Hugging Face directory with its tokenizer (what this
-server and vLLM load) and converted by llama.cpp's own convert_hf_to_gguf.py to f32 and f16 GGUF (what
-llama-server loads); all are kept in --work-dir, so a rerun converts nothing. Every system gets the same
-greedy requests (random token-id prompts, exact lengths, end-of-text ignored), all at once and then arriving
-about one a second, streamed (or whole: --no-stream); runs alternate (ours, vllm, llama f16, ours, ...) --repeats times. Each is
-measured for output tokens/s, TTFT and inter-token latency, the peak memory of its whole process tree, the
-cores it kept busy, and how many greedy outputs equal this server's. Results go to --out as results.json and
-report.md, with the CPU and its flags. The system `offline` is this server's own engine without the server
-(benchmarks/offline_engine.py: LLM.generate over all the requests, in a fresh process, with the server's settings):
-the server against it is what the server's own path costs; it runs the all-at-once shape only.
+"""This server against its peers on CPU, side by side, on one random GPT-2 checkpoint: vLLM's OpenAI server (its CPU
+build, from its own virtual environment) and llama.cpp's llama-server. The checkpoint is drawn once from --seed,
+written as a Hugging Face directory with its tokenizer (what this server and vLLM load) and converted by
+llama.cpp's own convert_hf_to_gguf.py to f32 and f16 GGUF (what llama-server loads); all are kept in --work-dir, so
+a rerun converts nothing. Every system gets the same greedy requests (random token-id prompts, exact lengths,
+end-of-text ignored), all at once and then arriving about one a second, streamed (or whole: --no-stream); runs
+alternate (ours, vllm, llama f16, ours, ...) --repeats times. Each is measured for output tokens/s, TTFT and
+inter-token latency, the peak memory of its whole process tree, the cores it kept busy, and how many greedy outputs
+equal this server's. Results go to --out as results.json and report.md, with the CPU and its flags. The system
+`offline` is this server's own engine without the server (benchmarks/offline_engine.py: LLM.generate over all the
+requests, in a fresh process, with the server's settings): the server against it is what the server's own path
+costs; it runs the all-at-once shape only.
 
 python -m benchmarks.peers --systems offline,ours,vllm --vllm-python ../vllm-venv/bin/python
 python -m benchmarks.peers --llama-server ../llama/bin/llama-server --llama-src LLAMA_CPP_SOURCE
@@ -96,7 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=Path("results/peers/checkpoints"))
     parser.add_argument("--out", type=Path, help="results.json and report.md (default: results/peers/MODEL)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
-    parser.add_argument("--no-stream", dest="stream", action="store_false", help="answers whole, not streamed (this server, vLLM)")
+    parser.add_argument(
+        "--no-stream", dest="stream", action="store_false", help="answers whole, not streamed (this server, vLLM)"
+    )
     parser.add_argument("--rebuild", action="store_true", help="only rewrite report.md from --out's results.json")
     args = parser.parse_args(argv)
     args.prompt_tokens, args.new_tokens = _range(parser, args.prompt_tokens), _range(parser, args.new_tokens)
