@@ -28,7 +28,6 @@ constexpr int LANES = 16;  // independent partial sums: the compiler vectorises 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
