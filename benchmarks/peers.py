@@ -212,25 +212,31 @@ def run_cb(load: Workload, hf_dir: Path) -> tuple[list[RequestResult], float, di
 def run_offline(
     load: Workload, hf_dir: Path, args: argparse.Namespace
 ) -> tuple[list[RequestResult], float, dict[str, Any]]:
-    """The engine alone on `load`'s requests (benchmarks/offline_engine.py), with the server's settings. It
-    answers all of them at the end: each result's latency is the whole run's, and it has no TTFT."""
+    """The engine alone on `load`'s requests (benchmarks/offline_engine.py), with the server's settings and under the
+    same memory sampling as a server (its reads of the process's page tables cost the process a little). It answers
+    all of them at the end: each result's latency is the whole run's, and it has no TTFT."""
     from model.tokenizer import load_tokenizer
 
     env = {"MODEL": str(hf_dir.resolve()), **args.server_env}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file, tempfile.TemporaryFile("w+") as out:
         json.dump([[request.prompt_ids, request.num_tokens] for request in load.requests], file)
         file.flush()
         command = [sys.executable, "-m", "benchmarks.offline_engine", file.name]
-        done = subprocess.run(command, env=launch_env(**env), cwd=ROOT, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmarks.offline_engine exited with {done.returncode}:\n{done.stderr[-3000:]}")
-    out = json.loads(done.stdout.splitlines()[-1])
-    decode, duration_s = load_tokenizer().decode, out["duration_s"]
+        proc = subprocess.Popen(command, env=launch_env(**env), cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True)
+        with PeakMemory(proc.pid) as memory:
+            _, stderr = proc.communicate()
+        out.seek(0)
+        lines = out.read().splitlines()
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmarks.offline_engine exited with {proc.returncode}:\n{stderr[-3000:]}")
+    answer = json.loads(lines[-1])
+    decode, duration_s = load_tokenizer().decode, answer["duration_s"]
     results = [
         RequestResult(True, len(r.prompt_ids), len(ids), None, duration_s, None, r.num_tokens, text=decode(ids))
-        for r, ids in zip(load.requests, out["tokens"], strict=True)
+        for r, ids in zip(load.requests, answer["tokens"], strict=True)
     ]
-    return results, duration_s, {"command": shlex.join(command[1:]), "env": env, "cpu": out["cpu"]}
+    ran = {"command": shlex.join(command[1:]), "env": env, "cpu": answer["cpu"], "memory": memory.peaks_mib()}
+    return results, duration_s, ran
 
 
 def run_one(
