@@ -27,6 +27,10 @@
 #                                                    #   (128) at STREAM_INTERVAL 1 and 32 against .base in turns
 #   bash benchmarks/gpu_suite.sh overlap-2           # one call: overlap's saturate again in turns, 512 requests,
 #                                                    #   seed-like (40), decode steps
+#   bash benchmarks/gpu_suite.sh host-profile        # one call: the CUDA tests (kernel, model, servers), decode
+#                                                    #   steps at 128 and 256, where the server's interpreter time
+#                                                    #   goes (benchmarks/host_profile.sh, py-spy carried in .whl),
+#                                                    #   saturate at STREAM_INTERVAL 1 and 32 in turns, 512, seed-like
 #   bash benchmarks/gpu_suite.sh servers             # one call: real servers at a 7-token budget, the API's tests
 #   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
 #   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
@@ -78,7 +82,7 @@ install_wheels() {
   "$PY" -c "import flask, gunicorn, dotenv, openai" 2>/dev/null && return
   ls .whl/*.whl >/dev/null 2>&1 || { echo "flask, gunicorn, python-dotenv or openai missing, and no .whl/ (carry it)" >&2; exit 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH  # bin: py-spy, if carried
   "$PY" -c "import flask, gunicorn, dotenv, openai" || exit 1
 }
 
@@ -294,6 +298,24 @@ overlap_2() {  # ~4 minutes at most: the overlap stage's saturate again in turns
   archive overlap-2 "${runs[@]}" saturate-512-interval-32-after seed-like-after
 }
 
+host_profile() {  # ~7 minutes at most: this tree's correctness on the GPU, then where the host's time goes
+  step versions 20 "$PY" -c "import sys, torch, triton, transformers as t; print(sys.version, 'torch', torch.__version__,
+torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__, 'transformers', t.__version__)"
+  step cuda-kernel-model 150 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_*.py \
+    tests/test_async_scheduling.py tests/test_half_precision.py tests/test_model.py tests/test_forks.py \
+    tests/test_prefix_cache.py tests/test_chunked_prefill.py
+  step cuda-servers 110 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_server.py \
+    -k "greedy or concurrent or stream_interval"
+  step decode 45 "$PY" -m benchmarks.decode_step --batch-sizes 128,256 --context 200 --steps 20
+  step profile-128 60 env MODEL="${MODEL:-random:gpt2-medium}" bash benchmarks/host_profile.sh 128 2 "$RESULTS/profile"
+  local runs=()
+  saturate_turns "" "1 32" "after"
+  saturate_turns -2 "1 32" "after"
+  benchmark saturate-512-interval-1 40 -- --workload saturate --numsamples 512 --modes dynamic
+  benchmark seed-like 70 -- --workload seed-like --numsamples 40 --modes dynamic
+  archive host-profile "${runs[@]}" saturate-512-interval-1 seed-like
+}
+
 servers() {  # ~4.5 minutes at most: real servers at a 7-token step budget, then the API at the default one
   step cuda-servers-budget-7 150 env DTYPE=float32 MAX_BATCH_TOKENS=7 "$PY" -m pytest -q -ra -p no:cacheprovider \
     tests/test_server.py -k "transformers or alone"
@@ -335,12 +357,12 @@ seed_like_baselines() {
   archive seed-like-baselines seed-like-baselines
 }
 
-[ $# -gt 0 ] || { sed -n '2,34p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,38p' "$0"; exit 2; }
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
     base) shift; rm -rf .base && mkdir .base && git archive "$1" | tar -x -C .base && rm -rf .base/docs && echo ".base: $1"; exit ;;
-    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | overlap-2 | servers | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | host-profile | overlap-2 | servers | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels
