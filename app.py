@@ -15,6 +15,7 @@ from api.protocol import PRIORITY_LIMIT
 from api.sampling import Server
 from batching.batch_jobs import BatchJobs
 from batching.batch_store import BatchStore
+from batching.engine_client import EngineClient
 from batching.manager import BatchingManager
 from config import Settings
 from generate.engine import Engine
@@ -40,11 +41,17 @@ def create_app(settings: Settings | None = None) -> Flask:
     build = simulated_engine if engine_settings.engine == "sim" else Engine.from_settings
     if settings.switch_interval_ms:
         sys.setswitchinterval(settings.switch_interval_ms / 1000)
-    manager = BatchingManager(functools.partial(build, engine_settings), settings)  # built on the loop's thread
+    # each keyed tenant's fair-share weight and limits (max waiting, max running)
+    table = {t.name: (t.weight, t.max_waiting, t.max_running) for t in keys.tenants.values()} if keys else {}
+    if settings.engine_process == "on":  # the engine in a process of its own; this one serves HTTP
+        manager = EngineClient(settings, functools.partial(build, engine_settings), table)
+    else:
+        manager = BatchingManager(functools.partial(build, engine_settings), settings)  # built on the loop's thread
+        manager.engine.scheduler.fair.weights.update({name: weight for name, (weight, _, _) in table.items()})
+        manager.admission.tenants.limits.update(
+            {name: (waiting, running) for name, (_, waiting, running) in table.items()}
+        )
     engine = manager.engine
-    if keys is not None:  # each tenant's weight and limits
-        engine.scheduler.fair.weights.update({t.name: t.weight for t in keys.tenants.values()})
-        manager.admission.tenants.limits.update({t.name: (t.max_waiting, t.max_running) for t in keys.tenants.values()})
     manager.start()
 
     app = Flask(__name__)
@@ -92,6 +99,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         body = {"model": engine.model_name, "random_weights": engine.is_random, "mode": settings.mode}
         if settings.exposed:  # server.sh found no HAProxy to put in front, or FRONT=off
             body["warning"] = settings.no_front_warning
+        if settings.engine_process == "on":
+            body["engine_restarts"] = manager.restarts  # the engine's process, started again after it died
         problem = manager.health_problem()
         if problem:
             return jsonify(status="unavailable", reason=problem, **body), 503
@@ -109,7 +118,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     return app
 
 
-def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager) -> BatchJobs:
+def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager | EngineClient) -> BatchJobs:
     """The Batch API's runner: each request goes through the app's own endpoint, at the lowest priority,
     for the tenant that created its batch."""
     client = app.test_client(use_cookies=False)

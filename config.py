@@ -197,6 +197,9 @@ class Settings:
     # Streaming: tokens per streamed event after the first, as vLLM's --stream-interval (a request's own
     # `stream_interval` may raise it); more per event wakes fewer request threads, so less Python per step
     stream_interval: int = 1
+    # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: "on" runs the engine (model, KV cache, scheduler, the loop) in a
+    # process of its own (batching/engine_process.py), so no request thread's Python competes with its steps
+    engine_process: str = "off"
     engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
     engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
     max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
@@ -224,6 +227,12 @@ class Settings:
             raise ValueError("MAX_WAITING_TOKENS and TTFT_TARGET_S must be at least 0 (0: off)")
         if self.switch_interval_ms < 0:
             raise ValueError(f"SWITCH_INTERVAL_MS must be at least 0 (0: Python's), got {self.switch_interval_ms}")
+        if self.engine_process not in ("on", "off"):
+            raise ValueError(f"ENGINE_PROCESS must be on or off, got {self.engine_process!r}")
+        if self.engine_process == "on" and self.allow_runtime_lora_updating:
+            raise ValueError(
+                "ALLOW_RUNTIME_LORA_UPDATING needs ENGINE_PROCESS=off: adapters load where the engine runs"
+            )
         if self.stream_interval < 1:
             raise ValueError(f"STREAM_INTERVAL must be at least 1, got {self.stream_interval}")
         if self.front_door.limit_by == "key" and not self.keyed:

@@ -12,7 +12,7 @@ from flask import Blueprint, Response, abort, jsonify, request
 from api import tenants
 from api.errors import bad
 from api.sampling import server
-from batching.timeline import timeline
+from api.stats import report
 
 PAGE_DIR = Path(__file__).resolve().parent.parent / "dashboard"
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
@@ -41,7 +41,8 @@ def asset(name: str):
 
 @routes.get("/stats/timeline")
 def stats_timeline():
-    return jsonify(timeline(server().manager, _cursor("since"), _cursor("events_since"), tenants.view()))
+    view = tenants.view()
+    return jsonify(report("timeline", _cursor("since"), _cursor("events_since"), view.every, view.tenant))
 
 
 def _cursor(name: str) -> int:

@@ -32,6 +32,7 @@ from itertools import accumulate
 from batching.admission import Admission, Refused
 from batching.inference import Delta, Inference
 from batching.observer import LoopObserver, StepNews
+from batching.reports import REPORTS
 from batching.step_summary import StepSummary
 from config import Settings
 from generate.engine import Engine
@@ -98,6 +99,10 @@ class BatchingManager:
             self._stop_at = time.monotonic() + grace_s
             self._cond.notify()
 
+    def join(self) -> None:
+        """Wait for the loop to end (after shut_down)."""
+        self._thread.join()
+
     def enqueue(self, *infs: Inference) -> tuple[Inference, ...]:
         """Queue one request's inferences, which enter the engine together and in this order."""
         with self._cond:
@@ -151,6 +156,10 @@ class BatchingManager:
 
     def step_summary(self) -> StepSummary:
         return self.observer.step_summary()
+
+    def report(self, name: str, *args):
+        """/stats, /metrics or /stats/timeline's body (batching/reports.py), as the engine's process answers a Call."""
+        return REPORTS[name](self, *args)
 
     # --- the loop thread --------------------------------------------------------------
     def _run(self, build_engine: Callable[[], Engine], built: Future) -> None:

@@ -57,7 +57,8 @@ class TextStream:
     def __init__(self, tokenizer: tiktoken.Encoding, stop: Sequence[str] = ()):
         self._tokenizer = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stop = [StopMatcher(s) for s in stop if s]
+        self.stop_strings = tuple(s for s in stop if s)
+        self._stop = [StopMatcher(s) for s in self.stop_strings]
         self._held = ""  # decoded, not yet released
         self._taken = 0  # characters of `text` handed out by take()
         self.text = ""  # released so far

@@ -31,6 +31,12 @@
 #                                                    #   steps at 128 and 256, where the server's interpreter time
 #                                                    #   goes (benchmarks/host_profile.sh, py-spy carried in .whl),
 #                                                    #   saturate at STREAM_INTERVAL 1 and 32 in turns, 512, seed-like
+#   bash benchmarks/gpu_suite.sh tree-ab            # one short call (after base): decode steps and saturate at
+#                                                    #   STREAM_INTERVAL=1, this tree against .base in turns
+#   bash benchmarks/gpu_suite.sh engine-process      # one call (after base): the engine process's tests on the GPU,
+#                                                    #   saturate with ENGINE_PROCESS off and on in turns (128 at
+#                                                    #   STREAM_INTERVAL 1; 32; 512), seed-like (20), decode steps
+#                                                    #   against .base
 #   bash benchmarks/gpu_suite.sh servers             # one call: real servers at a 7-token budget, the API's tests
 #   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
 #   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
@@ -79,11 +85,11 @@ wheels() {  # the server's and the tests' packages for Python 3.12 on x86-64 Lin
 }
 
 install_wheels() {
-  "$PY" -c "import flask, gunicorn, dotenv, openai" 2>/dev/null && return
+  "$PY" -c "import flask, gunicorn, dotenv, openai, zmq, msgspec" 2>/dev/null && return
   ls .whl/*.whl >/dev/null 2>&1 || { echo "flask, gunicorn, python-dotenv or openai missing, and no .whl/ (carry it)" >&2; exit 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH  # bin: py-spy, if carried
-  "$PY" -c "import flask, gunicorn, dotenv, openai" || exit 1
+  "$PY" -c "import flask, gunicorn, dotenv, openai, zmq, msgspec" || exit 1
 }
 
 leftovers() {  # servers and balancers started from this checkout that are still running
@@ -316,6 +322,36 @@ torch.version.cuda, torch.cuda.get_device_name(), 'triton', triton.__version__, 
   archive host-profile "${runs[@]}" saturate-512-interval-1 seed-like
 }
 
+tree_ab() {  # ~4 minutes at most: is a change of speed the tree's or the machine's? Both trees, one machine, in turns
+  [ -f .base/client/benchmark.py ] || { echo "no .base/: bash benchmarks/gpu_suite.sh base COMMIT, then carry .base" >&2; return 1; }
+  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 128,256 --context 200 --steps 20)
+  step decode-after 40 "${decode[@]}"
+  step decode-base 40 env -C .base "${decode[@]}"
+  local runs=()
+  saturate_turns "" "1" "base after base after"
+  benchmark saturate-128-interval-1-switch 30 SWITCH_INTERVAL_MS=0.5 -- --workload saturate --numsamples 128 --modes dynamic
+  archive tree-ab "${runs[@]}" saturate-128-interval-1-switch
+}
+
+engine_process() {  # ~5 minutes at most: ENGINE_PROCESS off against on, the same machine, in turns
+  step cuda-engine-process 80 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_engine_process.py \
+    -k "every_mode and dynamic or in_process"
+  local runs=() layout name common=(--workload saturate --modes dynamic)
+  for layout in off on off on; do
+    name=saturate-128-interval-1-engine-$layout-${#runs[@]}
+    benchmark "$name" 30 ENGINE_PROCESS=$layout -- "${common[@]}" --numsamples 128
+    runs+=("$name")
+  done
+  benchmark saturate-128-interval-32-engine-on 30 ENGINE_PROCESS=on STREAM_INTERVAL=32 -- "${common[@]}" --numsamples 128
+  benchmark saturate-512-interval-1-engine-on 40 ENGINE_PROCESS=on -- "${common[@]}" --numsamples 512
+  benchmark seed-like-engine-on 45 ENGINE_PROCESS=on -- --workload seed-like --numsamples 20 --modes dynamic
+  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 128,256 --context 200 --steps 20)
+  step decode-after 30 "${decode[@]}"
+  [ -f .base/client/benchmark.py ] && step decode-base 30 env -C .base "${decode[@]}"
+  archive engine-process "${runs[@]}" saturate-128-interval-32-engine-on saturate-512-interval-1-engine-on \
+    seed-like-engine-on
+}
+
 servers() {  # ~4.5 minutes at most: real servers at a 7-token step budget, then the API at the default one
   step cuda-servers-budget-7 150 env DTYPE=float32 MAX_BATCH_TOKENS=7 "$PY" -m pytest -q -ra -p no:cacheprovider \
     tests/test_server.py -k "transformers or alone"
@@ -357,12 +393,12 @@ seed_like_baselines() {
   archive seed-like-baselines seed-like-baselines
 }
 
-[ $# -gt 0 ] || { sed -n '2,38p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
     base) shift; rm -rf .base && mkdir .base && git archive "$1" | tar -x -C .base && rm -rf .base/docs && echo ".base: $1"; exit ;;
-    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | host-profile | overlap-2 | servers | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | host-profile | tree-ab | engine-process | overlap-2 | servers | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels

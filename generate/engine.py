@@ -130,16 +130,8 @@ class Engine:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request can never run here, or None if it can."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_context:
-            return (
-                f"prompt ({num_prompt_tokens} tokens) + max tokens ({max_tokens}) = {total} exceeds the "
-                f"{self.max_context}-token context"
-            )
         capacity = self.blocks.num_blocks * self.blocks.block_size
-        if total > capacity:
-            return f"prompt + max tokens ({total}) exceeds the whole KV cache ({capacity} tokens)"
-        return None
+        return fit_problem(num_prompt_tokens, max_tokens, self.max_context, capacity)
 
     def add(self, seq: Sequence) -> None:
         problem = self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
@@ -295,3 +287,16 @@ def default_dtype(device: torch.device) -> str:
     if device.type == "cuda":
         return "float16"
     return "bfloat16" if native_bfloat16() else "float32"
+
+
+def fit_problem(num_prompt_tokens: int, max_tokens: int, max_context: int, cache_tokens: int) -> str | None:
+    """Why a request can never run on a model of `max_context` over a KV cache of `cache_tokens`, or None."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_context:
+        return (
+            f"prompt ({num_prompt_tokens} tokens) + max tokens ({max_tokens}) = {total} exceeds the "
+            f"{max_context}-token context"
+        )
+    if total > cache_tokens:
+        return f"prompt + max tokens ({total}) exceeds the whole KV cache ({cache_tokens} tokens)"
+    return None

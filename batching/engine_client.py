@@ -1,0 +1,333 @@
+"""The front end's side of the engine process (ENGINE_PROCESS=on): EngineClient stands where BatchingManager
+stands for the API (enqueue, cancel, ready, report, ...), over the engine in a process of its own
+(batching/engine_process.py), started with `spawn` so that no CUDA state or lock is ever forked.
+
+Its bridge thread, in this process, receives the engine's messages (one per step, carrying every streaming
+completion's new tokens and text) and plays each out on the request's own Inference here: tokens appended to
+its sequence, a delta on its queue, and at its end the answer that sets its `threading.Event`, so the routes
+read a completion exactly as they do in one process. When the engine dies, every request in flight is answered
+with an error at once, /health is 503, and a new engine is started (each restart logged and counted).
+"""
+
+import atexit
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import NamedTuple
+
+import msgspec
+import zmq
+
+from batching import engine_process, wire
+from batching.admission_error import Refused
+from batching.inference import Delta, Inference
+from batching.manager import NotServing
+from batching.text_stream import FaultyTextStream
+from config import EngineSettings, Settings
+from generate.constraint_compiler import ConstraintCompiler
+from generate.engine import Engine, fit_problem
+from generate.sequence import SamplingParams, Status, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 10.0  # a report the engine has not answered by then is a 503
+STATUS_LATE_S = 2.0  # no status for this long: the engine's process is stuck
+
+
+class NamedAdapter(NamedTuple):
+    """A LoRA adapter as the front end knows it: what the API names and shows."""
+
+    name: str
+    path: str
+
+
+class Adapters:
+    def __init__(self, adapters: list[tuple[str, str]]):
+        self._by_name = {name: NamedAdapter(name, path) for name, path in adapters}
+
+    def get(self, name: str) -> NamedAdapter | None:
+        return self._by_name.get(name)
+
+    def adapters(self) -> list[NamedAdapter]:
+        return list(self._by_name.values())
+
+
+class EngineCard:
+    """What the front end knows of the engine without asking it (its Ready message), under Engine's names; and a
+    constraint compiler of its own, so that a bad constraint is a 400 here (the engine compiles it again)."""
+
+    def __init__(self, ready: wire.Ready, settings: EngineSettings):
+        self.model_name, self.is_random, self.max_context = ready.model_name, ready.is_random, ready.max_context
+        self.cache_tokens = ready.cache_tokens
+        self.loras = Adapters(ready.loras)
+        self.constraints = ConstraintCompiler(settings)
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return min(self.max_context, self.cache_tokens)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        return fit_problem(num_prompt_tokens, max_tokens, self.max_context, self.cache_tokens)
+
+
+class EngineClient:
+    def __init__(self, settings: Settings, build_engine: Callable[[], Engine], tenants: dict[str, tuple]):
+        """Start the engine's process and wait for it to be built (its error raised here)."""
+        self.settings, self.mode = settings, settings.mode
+        self._build, self._tenants = build_engine, tenants
+        self._dir = tempfile.mkdtemp(prefix="engine-")  # the sockets' directory: this user's alone (0700)
+        atexit.register(shutil.rmtree, self._dir, True)
+        self._addresses = (f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
+        self._context = zmq.Context()
+        self._to_engine, self._from_engine = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
+        self._to_engine.bind(self._addresses[0])
+        self._from_engine.bind(self._addresses[1])
+        self._send_lock = threading.Lock()  # request threads share the one socket to the engine
+        self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[wire.FromEngine])
+        self._ids = iter(range(1, 1 << 62))  # request and call ids, never reused (across restarts too)
+        self._pending: dict[int, list[Inference]] = {}  # by request id, until every completion is answered
+        self._rid: dict[Inference, int] = {}
+        self._waiting: dict[int, Future] = {}  # acks and replies, by id
+        self._status: wire.Status | None = None
+        self._status_at = 0.0
+        self._stopping = False
+        self.failure: str | None = None  # why no engine serves now (restarting)
+        self.restarts = 0
+        self._process, ready = self._start()
+        self.engine = EngineCard(ready, settings.engine)
+        self._bridge = threading.Thread(target=self._run, name=f"batching-{self.mode}-bridge", daemon=True)
+        self._bridge.start()
+
+    # --- request threads --------------------------------------------------------------
+    def start(self) -> None:
+        """The engine's loop runs from the moment it said Ready."""
+
+    @property
+    def ready(self) -> bool:
+        status = self._status
+        return self.failure is None and not self._stopping and status is not None and status.ready
+
+    def health_problem(self) -> str | None:
+        if self._stopping:
+            return "shutting down"
+        if self.failure is not None:
+            return self.failure
+        if time.monotonic() - self._status_at > STATUS_LATE_S:
+            return f"the engine process has not reported for {STATUS_LATE_S:.0f} s"
+        return self._status.problem if self._status is not None else "the engine process is starting"
+
+    def num_waiting(self) -> int:
+        return self._status.num_waiting if self._status is not None else 0
+
+    def num_running(self) -> int:
+        return self._status.num_running if self._status is not None else 0
+
+    def enqueue(self, *infs: Inference) -> tuple[Inference, ...]:
+        """Send one request's inferences to the engine; its admission's answer raised here (Refused, NotServing)."""
+        if not self.ready:
+            raise NotServing(self.health_problem() or "the engine is not serving")
+        first, rid = infs[0], next(self._ids)
+        streamed = first.chunks is not None
+        completions = [
+            wire.Completion(
+                inference.prompt_ids,
+                _params(inference.params),
+                inference.seq.fork_of is not None,  # forks from its request's leader before it
+                isinstance(inference.text, FaultyTextStream),
+            )
+            for inference in infs
+        ]
+        stop = list(first.text.stop_strings) if first.text is not None else []
+        lora = first.lora.name if first.lora is not None else None
+        interval = first.stream_interval if streamed else 0
+        self._pending[rid] = list(infs)
+        self._rid.update((inference, rid) for inference in infs)
+        try:
+            refusal = self._ask(rid, wire.Submit(rid, completions, stop, interval, first.priority, first.tenant, lora))
+        except NotServing:
+            self._forget(rid)
+            self._send(wire.Cancel(rid, list(range(len(infs)))))  # in case it was queued after all
+            raise
+        if refusal is not None:
+            self._forget(rid)
+            kind, status, message, retry_after, reason = refusal
+            if kind == "closed":
+                raise NotServing(message)
+            raise Refused(reason, message, status, retry_after)
+        return infs
+
+    def cancel(self, *infs: Inference) -> None:
+        by_request: dict[int, list[int]] = {}
+        for inference in infs:
+            rid = self._rid.get(inference)
+            if rid is not None:
+                by_request.setdefault(rid, []).append(inference.index)
+        for rid, indices in by_request.items():
+            self._send(wire.Cancel(rid, indices))
+
+    def report(self, name: str, *args):
+        """/stats, /metrics or /stats/timeline's body, computed by the engine's process (batching/reports.py)."""
+        cid = next(self._ids)
+        value, error = self._ask(cid, wire.Call(cid, name, list(args)))
+        if error is not None:
+            raise RuntimeError(f"the engine could not compute {name}: {error}")
+        return tuple(value) if name == "metrics" else value
+
+    def shut_down(self, grace_s: float) -> None:
+        """SIGTERM: the engine drains as one process does (then exits); never blocks (a signal handler calls it)."""
+        self._stopping = True
+        threading.Thread(target=self._send, args=(wire.Stop(grace_s),), daemon=True).start()
+
+    def _ask(self, key: int, message):
+        """Send and wait for the engine's answer (an Ack or a Reply)."""
+        future: Future = Future()
+        self._waiting[key] = future
+        self._send(message)
+        try:
+            return future.result(timeout=CALL_TIMEOUT_S)
+        except FutureTimeout:
+            raise NotServing("the engine process did not answer") from None
+        finally:
+            self._waiting.pop(key, None)
+
+    def _send(self, message) -> None:
+        data = self._encoder.encode(message)
+        with self._send_lock:
+            self._to_engine.send(data)
+
+    def _forget(self, rid: int) -> None:
+        for inference in self._pending.pop(rid, []):
+            self._rid.pop(inference, None)
+
+    # --- the bridge thread ------------------------------------------------------------
+    def _start(self) -> tuple[multiprocessing.Process, wire.Ready]:
+        """Spawn an engine and wait for its Ready; its Failed, or its death before, raised as RuntimeError."""
+        spawn = multiprocessing.get_context("spawn")
+        args = (self.settings, self._build, self._tenants, self._addresses, os.getpid())
+        process = spawn.Process(target=engine_process.run, args=args, name="engine", daemon=True)
+        process.start()
+        log.info("engine process %d started", process.pid)
+        poller = zmq.Poller()
+        poller.register(self._from_engine, zmq.POLLIN)
+        poller.register(process.sentinel, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._from_engine in events:
+                for message in self._decoder.decode(self._from_engine.recv()):
+                    if isinstance(message, wire.Ready):
+                        return process, message
+                    if isinstance(message, wire.Failed):
+                        process.join()
+                        raise RuntimeError(f"the engine could not start: {message.reason}")
+            elif process.sentinel in events:
+                process.join()
+                raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})")
+
+    def _run(self) -> None:
+        while True:
+            self._serve()
+            if self._stopping:
+                return
+            self._restart()
+
+    def _serve(self) -> None:
+        """Play out the engine's messages until its process ends."""
+        poller = zmq.Poller()
+        poller.register(self._from_engine, zmq.POLLIN)
+        poller.register(self._process.sentinel, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._from_engine in events:
+                for message in self._decoder.decode(self._from_engine.recv()):
+                    self._apply(message)
+            elif self._process.sentinel in events:
+                self._process.join()
+                break
+        code = self._process.exitcode
+        reason = "the server shut down before this request finished" if self._stopping else None
+        self.failure = reason or f"the engine process exited (exit code {code})"
+        if not self._stopping:
+            log.error("%s: answering every request in flight with an error", self.failure)
+        self._fail_everything(self.failure)
+
+    def _restart(self) -> None:
+        while not self._stopping:
+            try:
+                self._process, _ = self._start()
+            except RuntimeError as err:
+                log.error("%s; trying again", err)
+                time.sleep(1.0)  # a pause before the next try, not a wait for an event
+                continue
+            self.restarts += 1
+            self._status = None
+            self.failure = None
+            log.warning("engine process restarted (%d restart(s) so far)", self.restarts)
+            return
+
+    def _apply(self, message) -> None:
+        if isinstance(message, wire.Out):
+            self._out(message)
+        elif isinstance(message, wire.Status):
+            self._status, self._status_at = message, time.monotonic()
+        elif isinstance(message, wire.Ack | wire.Reply):
+            future = self._waiting.get(message.rid if isinstance(message, wire.Ack) else message.cid)
+            if future is not None:
+                future.set_result(message.refusal if isinstance(message, wire.Ack) else (message.value, message.error))
+
+    def _out(self, out: wire.Out) -> None:
+        completions = self._pending.get(out.rid)
+        if completions is None:
+            return  # its request was answered already (refused, or failed with an engine that died)
+        inference = completions[out.index]
+        seq = inference.seq
+        if out.ids:
+            inference.first_token_at = inference.first_token_at or time.monotonic()
+            seq.token_ids += out.ids
+            seq.logprobs += _logprobs(out.logprobs)
+        if out.prompt_logprobs:
+            seq.prompt_logprobs = _logprobs(out.prompt_logprobs)
+        if out.delta is not None and inference.chunks is not None:
+            inference.chunks.put(Delta(out.index, *out.delta))
+        if out.end is None:
+            return
+        end = out.end
+        seq.status, seq.finish_reason = Status.FINISHED, end.finish_reason
+        seq.num_cached_prompt_tokens = end.num_cached_prompt_tokens
+        if inference.text is not None:
+            inference.text.text = end.text
+        inference.finish(end.error)
+        inference.answer()
+        if all(completion.done.is_set() for completion in completions):
+            self._forget(out.rid)
+
+    def _fail_everything(self, reason: str) -> None:
+        for future in list(self._waiting.values()):
+            if not future.done():
+                future.set_exception(NotServing(reason))
+        for rid, completions in list(self._pending.items()):
+            for inference in completions:
+                if not inference.done.is_set():
+                    if inference.finished_at is None:
+                        inference.finish(reason)
+                    inference.answer()
+            self._forget(rid)
+
+
+def _params(p: SamplingParams) -> wire.Params:
+    c = p.constraint.constraint if p.constraint is not None else None
+    return wire.Params(
+        p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop_at_eos, p.logprobs, p.prompt_logprobs,
+        p.min_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, list(p.logit_bias),
+        (c.kind, c.spec, c.whitespace_pattern) if c is not None else None,
+    )  # fmt: skip
+
+
+def _logprobs(entries: list) -> list[TokenLogprobs]:
+    return [TokenLogprobs(logprob, tuple(map(tuple, top))) for logprob, top in entries]

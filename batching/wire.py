@@ -1,0 +1,131 @@
+"""The messages between the HTTP front end and the engine process (ENGINE_PROCESS=on), declared once.
+
+msgpack through msgspec, as vLLM's engine core speaks: plain numbers, strings and lists, each message a tagged
+array, so nothing a client sent is ever unpickled and a step's message stays a few bytes a row. The front end
+sends Submit, Cancel and Call; the engine sends Ready once, then batches (lists) of Ack, Out, Reply and Status,
+as many as were ready when its sender woke: a step's deltas leave together.
+"""
+
+import msgspec
+
+
+class Params(msgspec.Struct, array_like=True):
+    """generate.sequence.SamplingParams, its constraint as the Constraint it was compiled from (kind, spec,
+    whitespace pattern): the engine compiles it again, from its own cache."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop_at_eos: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    min_tokens: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: list[tuple[int, float]]
+    constraint: tuple[str, str, str | None] | None
+
+
+class Completion(msgspec.Struct, array_like=True):
+    prompt_ids: list[int]
+    params: Params
+    forks: bool  # forks from the last completion before it that does not (n completions of one prompt)
+    faulty: bool  # FAULT_FAIL_MARKER: its text stream fails in its first step (tests)
+
+
+class Submit(msgspec.Struct, tag="submit", array_like=True):
+    rid: int
+    completions: list[Completion]
+    stop: list[str]
+    stream_interval: int  # 0: not streamed (the engine sends the text when it ends)
+    priority: int
+    tenant: str
+    lora: str | None
+
+
+class Cancel(msgspec.Struct, tag="cancel", array_like=True):
+    rid: int
+    indices: list[int]
+
+
+class Call(msgspec.Struct, tag="call", array_like=True):
+    """A report the engine's process computes (batching/reports.py), answered by a Reply with the same id."""
+
+    cid: int
+    name: str
+    args: list
+
+
+class Stop(msgspec.Struct, tag="stop", array_like=True):
+    grace_s: float
+
+
+ToEngine = Submit | Cancel | Call | Stop
+
+Logprobs = list[tuple[float, list[tuple[int, float]]]]  # generate.sequence.TokenLogprobs, one per token
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """What the front end checks and reports without asking: the served model and the cache's size."""
+
+    model_name: str
+    is_random: bool
+    max_context: int
+    cache_tokens: int  # every KV block's tokens: no request longer than this can ever run
+    loras: list[tuple[str, str]]  # (name, path) of each adapter loaded at start
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    """Instead of Ready: the engine could not be built (a bad model or setting), and why."""
+
+    reason: str
+
+
+class Ack(msgspec.Struct, tag="ack", array_like=True):
+    rid: int
+    # None: queued; else (kind, status, message, retry after s, reason), kind "refused" (admission) or "closed"
+    refusal: tuple[str, int, str, int, str] | None
+
+
+class End(msgspec.Struct, array_like=True):
+    """How a completion ended: its answer follows."""
+
+    finish_reason: str | None
+    error: str | None
+    text: str  # all its text (a streamed one's deltas carried it too)
+    num_cached_prompt_tokens: int | None
+
+
+class Out(msgspec.Struct, tag="out", array_like=True):
+    """A completion's tokens since its last Out (its first Out: with its prompt's log-probabilities, if asked), then
+    a delta for its stream (text, tokens so far, finish reason) or its end."""
+
+    rid: int
+    index: int
+    ids: list[int]
+    logprobs: Logprobs
+    prompt_logprobs: Logprobs
+    delta: tuple[str, int, str | None] | None
+    end: End | None
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True):
+    cid: int
+    value: object
+    error: str | None = None
+
+
+class Status(msgspec.Struct, tag="status", array_like=True):
+    """Sent every STATUS_S: what /health and /ready read, and admission's count of waiting requests."""
+
+    problem: str | None
+    ready: bool
+    num_waiting: int
+    num_running: int
+
+
+FromEngine = Ready | Failed | Ack | Out | Reply | Status
+STATUS_S = 0.25

@@ -1,0 +1,227 @@
+"""ENGINE_PROCESS=on: the engine in a process of its own, behind real gunicorn servers.
+
+The same answers as one process (greedy equal to transformers in every mode; every other answer, streamed or
+not, equal to the in-process server's on the same requests), counted once, and the engine's failures: killed, it
+answers every stream with an error at once and comes back by itself; it never outlives its front end."""
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from client.launch import running_server, start_server, stop_server
+from tests.conftest import sim_settings, wait_until
+from tests.test_server import TOKENIZER, greedy_all, text_prompts
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, **settings: str) -> Iterator[tuple[str, int]]:
+    """./server.sh dynamic: its URL and its gunicorn master's process id."""
+    proc, url = start_server("dynamic", tmp_path, **settings)
+    try:
+        yield url, proc.pid  # server.sh execs gunicorn
+    finally:
+        stop_server(proc)
+
+
+def server_processes(master: int) -> tuple[int, int]:
+    """The gunicorn worker under `master`, and its engine process."""
+    (worker,) = children(master)
+    # beside it, multiprocessing's resource tracker
+    (engine,) = [pid for pid in children(worker) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return worker, engine
+
+
+@pytest.fixture(scope="module")
+def settings(tiny_checkpoint) -> dict[str, str]:
+    return {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "1024", "ENGINE_PROCESS": "on"}
+
+
+@pytest.mark.parametrize("mode", ["nobatch", "static", "dynamic"])
+def test_greedy_output_equals_transformers_in_every_mode(mode, settings, hf_greedy, tmp_path):
+    prompts, counts = text_prompts(8, seed=11), [1, 30, 17, 33, 2, 25, 40, 9]
+    with running_server(mode, tmp_path, **settings) as url:
+        results = greedy_all(url, prompts, counts, workers=8)
+        stats = requests.get(f"{url}/stats", timeout=10).json()
+    for prompt, n, result in zip(prompts, counts, results):
+        assert result["token_ids"] == hf_greedy(TOKENIZER.encode(prompt), n)
+        assert result["text"] == TOKENIZER.decode(result["token_ids"])
+    assert (stats["mode"], stats["requests_completed"], stats["tokens_generated"]) == (mode, 8, sum(counts))
+
+
+# Requests whose every answer is fixed by its body (greedy, or seeded): the same bytes from either layout but for
+# ids and clocks. Streamed and not, n > 1, log-probabilities, echo, stop strings, a constraint, chat.
+BODIES = [
+    ("/v1/completions", {"prompt": "The old lighthouse", "max_tokens": 12, "temperature": 0, "logprobs": 2}),
+    ("/v1/completions", {"prompt": "Once upon", "max_tokens": 9, "temperature": 0, "echo": True, "logprobs": 1}),
+    ("/v1/completions", {"prompt": "A recipe", "max_tokens": 16, "temperature": 0.9, "seed": 7, "n": 3}),
+    ("/v1/completions", {"prompt": "It was", "max_tokens": 20, "temperature": 0, "stop": [" the", "e"]}),
+    ("/v1/completions", {"prompt": ["one", "two"], "max_tokens": 6, "temperature": 0.8, "seed": 3, "stream": True}),
+    (
+        "/v1/completions",
+        {"prompt": "Lists", "max_tokens": 10, "temperature": 0, "n": 2, "stream": True, "logprobs": 1},
+    ),
+    ("/v1/completions", {"prompt": "Pick", "max_tokens": 8, "temperature": 0, "guided_choice": ["red", "blue"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7, "temperature": 0}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hey"}],
+            "max_tokens": 5,
+            "seed": 1,
+            "stream": True,
+            "logprobs": True,
+        },
+    ),
+    ("/inference", {"prompt": "The lighthouse keeper", "num_tokens": 6, "temperature": 0}),
+]
+VARYING = ("id", "created", "ttft_s", "latency_s", "system_fingerprint")
+
+
+def _answer(url: str, path: str, body: dict) -> list:
+    response = requests.post(f"{url}{path}", json=body, timeout=60, stream=body.get("stream", False))
+    assert response.status_code == 200, response.text
+    if not body.get("stream"):
+        return [_steady(response.json())]
+    lines = [line for line in response.iter_lines(decode_unicode=True) if line]
+    assert lines[-1] == "data: [DONE]"
+    return [_steady(json.loads(line.removeprefix("data: "))) for line in lines[:-1]]
+
+
+def _steady(value):
+    if isinstance(value, dict):
+        return {key: _steady(item) for key, item in value.items() if key not in VARYING}
+    return [_steady(item) for item in value] if isinstance(value, list) else value
+
+
+def test_every_answer_equals_the_in_process_servers(settings, tmp_path):
+    answers = {}
+    for layout in ("off", "on"):
+        (tmp_path / layout).mkdir()
+        with running_server("dynamic", tmp_path / layout, **{**settings, "ENGINE_PROCESS": layout}) as url:
+            answers[layout] = [_answer(url, path, body) for path, body in BODIES]
+    for (path, body), off, on in zip(BODIES, answers["off"], answers["on"]):
+        assert on == off, f"{path} {body}"
+
+
+def test_requests_are_counted_once_and_a_bad_body_is_the_front_ends_400(settings, tmp_path):
+    with running_server("dynamic", tmp_path, **settings) as url:
+        bad = requests.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        counts = [4, 9, 1, 6]
+        greedy_all(url, text_prompts(4, seed=5), counts, workers=4)
+        stats = requests.get(f"{url}/stats", timeout=10).json()
+        metrics = requests.get(f"{url}/metrics", timeout=10).text
+        health = requests.get(f"{url}/health", timeout=10).json()
+    assert (stats["requests_completed"], stats["tokens_generated"], stats["requests_failed"]) == (4, sum(counts), 0)
+    assert 'vllm:request_success_total{finished_reason="length",model_name=' in metrics
+    assert (health["status"], health["engine_restarts"]) == ("ok", 0)
+
+
+def _stream(url: str, max_tokens: int, started: threading.Event | None = None) -> tuple[list[dict], float]:
+    """A streamed completion's events, and when the stream ended (monotonic); `started` set at its first event."""
+    body = {"prompt": "The lighthouse keeper", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    events = []
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as response:
+        for line in response.iter_lines(decode_unicode=True):
+            if line and line != "data: [DONE]":
+                events.append(json.loads(line.removeprefix("data: ")))
+                if started is not None:
+                    started.set()
+    return events, time.monotonic()
+
+
+def test_a_killed_engine_answers_every_stream_with_an_error_and_comes_back(tmp_path):
+    settings = {**sim_settings(tmp_path, step_s=0.05), "ENGINE_PROCESS": "on"}
+    with serving(tmp_path, **settings) as (url, master):
+        worker, engine = server_processes(master)
+        with ThreadPoolExecutor(32) as pool:
+            started = [threading.Event() for _ in range(32)]
+            streams = [pool.submit(_stream, url, 400, event) for event in started]
+            wait_until(lambda: all(event.is_set() for event in started))
+            os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
+            wait_until(lambda: requests.get(f"{url}/health", timeout=10).status_code == 503, deadline_s=1)
+            results = [stream.result(timeout=30) for stream in streams]
+        for events, ended in results:
+            assert ended - killed < 2
+            assert "error" in events[-1] and "engine process exited" in events[-1]["error"]["message"]
+            assert any(event.get("choices") for event in events)  # it had streamed tokens before
+        wait_until(lambda: requests.get(f"{url}/health", timeout=10).status_code == 200, deadline_s=60)
+        assert requests.get(f"{url}/health", timeout=10).json()["engine_restarts"] == 1
+        assert server_processes(master)[0] == worker  # the same front end, a new engine
+        events, _ = _stream(url, 5)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_killed_worker_leaves_no_engine_behind(settings, tmp_path):
+    with serving(tmp_path, **settings) as (url, master):
+        worker, engine = server_processes(master)
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: not alive(engine), deadline_s=5)
+
+
+def test_sigterm_lets_running_requests_finish(tmp_path):
+    settings = {**sim_settings(tmp_path, step_s=0.02), "ENGINE_PROCESS": "on", "SHUTDOWN_GRACE_S": "10"}
+    with serving(tmp_path, **settings) as (url, master):
+        worker, engine = server_processes(master)
+        with ThreadPoolExecutor(8) as pool:
+            started = [threading.Event() for _ in range(8)]
+            streams = [pool.submit(_stream, url, 60, event) for event in started]
+            wait_until(lambda: all(event.is_set() for event in started))
+            os.kill(worker, signal.SIGTERM)
+            results = [stream.result(timeout=30) for stream in streams]
+        for events, _ in results:
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        wait_until(lambda: not alive(engine), deadline_s=10)
+
+
+def test_a_refusal_comes_from_the_engines_admission(settings, tmp_path):
+    slow = {**sim_settings(tmp_path, step_s=0.05), "ENGINE_PROCESS": "on", "MAX_WAITING": "2", "MAX_BATCH_SIZE": "1"}
+    with running_server("dynamic", tmp_path, **slow) as url:
+        body = {"prompt": "x", "max_tokens": 40, "temperature": 0}
+        codes: list[int] = []
+        lock = threading.Lock()
+
+        def one() -> None:
+            code = requests.post(f"{url}/v1/completions", json=body, timeout=60).status_code
+            with lock:
+                codes.append(code)
+
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(8):
+                pool.submit(one)
+        stats = requests.get(f"{url}/stats", timeout=10).json()
+    assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+    assert stats["requests_completed"] == codes.count(200)
