@@ -130,7 +130,7 @@ def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager | Engin
     jobs = BatchJobs(
         BatchStore(settings.batch_api.data_dir),
         send,
-        lambda: manager.ready,
+        lambda: manager.alive,
         PRIORITY_LIMIT,
         settings.batch_api.batch_in_flight,
     )

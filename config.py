@@ -229,10 +229,6 @@ class Settings:
             raise ValueError(f"SWITCH_INTERVAL_MS must be at least 0 (0: Python's), got {self.switch_interval_ms}")
         if self.engine_process not in ("on", "off"):
             raise ValueError(f"ENGINE_PROCESS must be on or off, got {self.engine_process!r}")
-        if self.engine_process == "on" and self.allow_runtime_lora_updating:
-            raise ValueError(
-                "ALLOW_RUNTIME_LORA_UPDATING needs ENGINE_PROCESS=off: adapters load where the engine runs"
-            )
         if self.stream_interval < 1:
             raise ValueError(f"STREAM_INTERVAL must be at least 1, got {self.stream_interval}")
         if self.front_door.limit_by == "key" and not self.keyed:

@@ -19,6 +19,7 @@ from batching.admission import Refused
 from batching.inference import Delta, Inference
 from batching.manager import NotServing
 from batching.text_stream import FaultyTextStream, TextStream
+from generate.lora_registry import LoraNotFound
 from model.tokenizer import EOT_ID
 
 SEED_LIMIT = 2**63
@@ -83,6 +84,8 @@ def submit(generation: Generation, streamed: bool) -> Submitted:
         raise ApiError(err.status, str(err), "overloaded", headers={"Retry-After": str(err.retry_after)}) from None
     except NotServing as err:
         raise ApiError(503, str(err), "unavailable") from None
+    except LoraNotFound as err:  # the engine in its own process: the adapter was unloaded meanwhile
+        raise ApiError(404, str(err), param="model", code="model_not_found") from None
     return Submitted(generation.prompts, completions, generation.n)
 
 

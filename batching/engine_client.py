@@ -10,6 +10,7 @@ with an error at once, /health is 503, and a new engine is started (each restart
 """
 
 import atexit
+import itertools
 import logging
 import multiprocessing
 import os
@@ -33,24 +34,32 @@ from batching.text_stream import FaultyTextStream
 from config import EngineSettings, Settings
 from generate.constraint_compiler import ConstraintCompiler
 from generate.engine import Engine, fit_problem
+from generate.lora_registry import LoraInUse, LoraNotFound
 from generate.sequence import SamplingParams, Status, TokenLogprobs
+from model.lora import LoraError
 
 log = logging.getLogger(__name__)
 
+CALL_ERRORS = {e.__name__: e for e in (LoraError, LoraNotFound, LoraInUse, ValueError)}
 CALL_TIMEOUT_S = 10.0  # a report the engine has not answered by then is a 503
 STATUS_LATE_S = 2.0  # no status for this long: the engine's process is stuck
 
 
 class NamedAdapter(NamedTuple):
-    """A LoRA adapter as the front end knows it: what the API names and shows."""
+    """A LoRA adapter as the front end knows it: what the API names and shows (its weights are the engine's)."""
 
     name: str
     path: str
+    id: int
+    rank: int
 
 
 class Adapters:
-    def __init__(self, adapters: list[tuple[str, str]]):
-        self._by_name = {name: NamedAdapter(name, path) for name, path in adapters}
+    """generate.lora_registry.LoraRegistry's face for the API: loads and unloads done by the engine (`call`)."""
+
+    def __init__(self, adapters: list[tuple[str, str, int, int]], call: Callable):
+        self._by_name = {entry[0]: NamedAdapter(*entry) for entry in adapters}
+        self._call = call
 
     def get(self, name: str) -> NamedAdapter | None:
         return self._by_name.get(name)
@@ -58,15 +67,23 @@ class Adapters:
     def adapters(self) -> list[NamedAdapter]:
         return list(self._by_name.values())
 
+    def load(self, name: str, path: str, root: str | None = None) -> NamedAdapter:
+        adapter = self._by_name[name] = NamedAdapter(*self._call("load_lora", name, path, root))
+        return adapter
+
+    def unload(self, name: str) -> None:
+        self._call("unload_lora", name)
+        self._by_name.pop(name, None)
+
 
 class EngineCard:
     """What the front end knows of the engine without asking it (its Ready message), under Engine's names; and a
     constraint compiler of its own, so that a bad constraint is a 400 here (the engine compiles it again)."""
 
-    def __init__(self, ready: wire.Ready, settings: EngineSettings):
+    def __init__(self, ready: wire.Ready, settings: EngineSettings, call: Callable):
         self.model_name, self.is_random, self.max_context = ready.model_name, ready.is_random, ready.max_context
         self.cache_tokens = ready.cache_tokens
-        self.loras = Adapters(ready.loras)
+        self.loras = Adapters(ready.loras, call)
         self.constraints = ConstraintCompiler(settings)
 
     @property
@@ -78,6 +95,9 @@ class EngineCard:
 
 
 class EngineClient:
+    """The batching manager's interface, over an engine in another process; one bridge thread plays out its
+    messages here."""
+
     def __init__(self, settings: Settings, build_engine: Callable[[], Engine], tenants: dict[str, tuple]):
         """Start the engine's process and wait for it to be built (its error raised here)."""
         self.settings, self.mode = settings, settings.mode
@@ -91,17 +111,18 @@ class EngineClient:
         self._from_engine.bind(self._addresses[1])
         self._send_lock = threading.Lock()  # request threads share the one socket to the engine
         self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[wire.FromEngine])
-        self._ids = iter(range(1, 1 << 62))  # request and call ids, never reused (across restarts too)
+        self._ids = itertools.count(1)  # request and call ids, never reused (across restarts too)
         self._pending: dict[int, list[Inference]] = {}  # by request id, until every completion is answered
         self._rid: dict[Inference, int] = {}
         self._waiting: dict[int, Future] = {}  # acks and replies, by id
-        self._status: wire.Status | None = None
+        self._status: wire.Status | None = None  # the engine's latest (set at its Ready: its loop runs from then)
         self._status_at = 0.0
         self._stopping = False
         self.failure: str | None = None  # why no engine serves now (restarting)
         self.restarts = 0
         self._process, ready = self._start()
-        self.engine = EngineCard(ready, settings.engine)
+        self._serving_from_now()
+        self.engine = EngineCard(ready, settings.engine, self.call)
         self._bridge = threading.Thread(target=self._run, name=f"batching-{self.mode}-bridge", daemon=True)
         self._bridge.start()
 
@@ -113,6 +134,11 @@ class EngineClient:
     def ready(self) -> bool:
         status = self._status
         return self.failure is None and not self._stopping and status is not None and status.ready
+
+    @property
+    def alive(self) -> bool:
+        """Serving, or about to again: a dead engine is started again; only shutting down ends it."""
+        return not self._stopping
 
     def health_problem(self) -> str | None:
         if self._stopping:
@@ -160,6 +186,8 @@ class EngineClient:
             kind, status, message, retry_after, reason = refusal
             if kind == "closed":
                 raise NotServing(message)
+            if kind == "missing":
+                raise LoraNotFound(message)
             raise Refused(reason, message, status, retry_after)
         return infs
 
@@ -174,11 +202,18 @@ class EngineClient:
 
     def report(self, name: str, *args):
         """/stats, /metrics or /stats/timeline's body, computed by the engine's process (batching/reports.py)."""
+        value = self.call(name, *args)
+        return tuple(value) if name == "metrics" else value
+
+    def call(self, name: str, *args):
+        """What the engine's process answers to a Call; its exception raised here, as the same class where the
+        API tells them apart (LoRA loading's), else RuntimeError."""
         cid = next(self._ids)
         value, error = self._ask(cid, wire.Call(cid, name, list(args)))
         if error is not None:
-            raise RuntimeError(f"the engine could not compute {name}: {error}")
-        return tuple(value) if name == "metrics" else value
+            kind, message = error
+            raise CALL_ERRORS.get(kind, RuntimeError)(message)
+        return value
 
     def shut_down(self, grace_s: float) -> None:
         """SIGTERM: the engine drains as one process does (then exits); never blocks (a signal handler calls it)."""
@@ -266,10 +301,14 @@ class EngineClient:
                 time.sleep(1.0)  # a pause before the next try, not a wait for an event
                 continue
             self.restarts += 1
-            self._status = None
+            self._serving_from_now()
             self.failure = None
             log.warning("engine process restarted (%d restart(s) so far)", self.restarts)
             return
+
+    def _serving_from_now(self) -> None:
+        """An engine said Ready: its loop runs, nothing waits yet (its first Status follows within STATUS_S)."""
+        self._status, self._status_at = wire.Status(None, True, 0, 0), time.monotonic()
 
     def _apply(self, message) -> None:
         if isinstance(message, wire.Out):

@@ -92,7 +92,7 @@ class EngineCore:
 
     def ready(self) -> wire.Ready:
         engine = self.engine
-        loras = [(a.name, a.path) for a in engine.loras.adapters()]
+        loras = [(a.name, a.path, a.id, a.rank) for a in engine.loras.adapters()]
         cache_tokens = engine.blocks.num_blocks * engine.blocks.block_size
         return wire.Ready(engine.model_name, engine.is_random, engine.max_context, cache_tokens, loras)
 
@@ -118,6 +118,8 @@ class EngineCore:
         completions: list[Inference] = []
         sink = _Sink(request.rid, completions, request.stream_interval > 0, self)
         lora = self.engine.loras.get(request.lora) if request.lora is not None else None
+        if request.lora is not None and lora is None:  # unloaded since the front end looked it up
+            return wire.Ack(request.rid, ("missing", 404, f"the model '{request.lora}' does not exist here", 0, ""))
         leader = None
         for index, completion in enumerate(request.completions):
             text = (FaultyTextStream if completion.faulty else TextStream)(self.tokenizer, request.stop)
@@ -155,11 +157,16 @@ class EngineCore:
         )  # fmt: skip
 
     def call(self, call: wire.Call) -> wire.Reply:
+        loras = self.engine.loras
         try:
+            if call.name == "load_lora":
+                adapter = loras.load(*call.args)
+                return wire.Reply(call.cid, (adapter.name, adapter.path, adapter.id, adapter.rank))
+            if call.name == "unload_lora":
+                return wire.Reply(call.cid, loras.unload(*call.args))
             return wire.Reply(call.cid, self.manager.report(call.name, *call.args))
-        except Exception as err:  # noqa: BLE001 - a report that fails is its caller's 500, not the engine's end
-            log.exception("report %r failed", call.name)
-            return wire.Reply(call.cid, None, f"{type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 - the caller's error (a 4xx, or its 500), never the engine's end
+            return wire.Reply(call.cid, None, (type(err).__name__, str(err)))
 
     def send_all(self, outbox: zmq.Socket) -> None:
         """The sender thread: everything queued when it wakes, as one message."""

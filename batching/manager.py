@@ -86,6 +86,11 @@ class BatchingManager:
     def ready(self) -> bool:
         return self.failure is None and self._stop_at is None and self._go.is_set() and self._thread.is_alive()
 
+    @property
+    def alive(self) -> bool:
+        """Serving, or able to again: a loop that died or was stopped never comes back."""
+        return self.ready
+
     def health_problem(self) -> str | None:
         """Why this server cannot serve (its loop died, is stopping, or is stuck in a step), or None."""
         if not self.ready:

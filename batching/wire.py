@@ -52,7 +52,8 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True):
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
-    """A report the engine's process computes (batching/reports.py), answered by a Reply with the same id."""
+    """A report the engine's process computes (batching/reports.py), or a LoRA adapter to load or unload
+    ("load_lora", "unload_lora"), answered by a Reply with the same id."""
 
     cid: int
     name: str
@@ -75,7 +76,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     is_random: bool
     max_context: int
     cache_tokens: int  # every KV block's tokens: no request longer than this can ever run
-    loras: list[tuple[str, str]]  # (name, path) of each adapter loaded at start
+    loras: list[tuple[str, str, int, int]]  # (name, path, id, rank) of each adapter loaded at start
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -115,7 +116,7 @@ class Out(msgspec.Struct, tag="out", array_like=True):
 class Reply(msgspec.Struct, tag="reply", array_like=True):
     cid: int
     value: object
-    error: str | None = None
+    error: tuple[str, str] | None = None  # the exception's class name and message
 
 
 class Status(msgspec.Struct, tag="status", array_like=True):

@@ -1,8 +1,9 @@
 """ENGINE_PROCESS=on: the engine in a process of its own, behind real gunicorn servers.
 
-The same answers as one process (greedy equal to transformers in every mode; every other answer, streamed or
-not, equal to the in-process server's on the same requests), counted once, and the engine's failures: killed, it
-answers every stream with an error at once and comes back by itself; it never outlives its front end."""
+The same answers as one process (every answer, streamed or not, equal to the in-process server's on the same
+requests; greedy against transformers in every mode is tests/test_server.py's, in both layouts), counted once,
+and the engine's failures: killed, it answers every stream with an error at once and comes back by itself; it
+never outlives its front end."""
 
 import contextlib
 import json
@@ -19,7 +20,7 @@ import requests
 
 from client.launch import running_server, start_server, stop_server
 from tests.conftest import sim_settings, wait_until
-from tests.test_server import TOKENIZER, greedy_all, text_prompts
+from tests.test_server import greedy_all, text_prompts
 
 
 def children(pid: int) -> list[int]:
@@ -66,18 +67,6 @@ def server_processes(master: int) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def settings(tiny_checkpoint) -> dict[str, str]:
     return {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "1024", "ENGINE_PROCESS": "on"}
-
-
-@pytest.mark.parametrize("mode", ["nobatch", "static", "dynamic"])
-def test_greedy_output_equals_transformers_in_every_mode(mode, settings, hf_greedy, tmp_path):
-    prompts, counts = text_prompts(8, seed=11), [1, 30, 17, 33, 2, 25, 40, 9]
-    with running_server(mode, tmp_path, **settings) as url:
-        results = greedy_all(url, prompts, counts, workers=8)
-        stats = requests.get(f"{url}/stats", timeout=10).json()
-    for prompt, n, result in zip(prompts, counts, results):
-        assert result["token_ids"] == hf_greedy(TOKENIZER.encode(prompt), n)
-        assert result["text"] == TOKENIZER.decode(result["token_ids"])
-    assert (stats["mode"], stats["requests_completed"], stats["tokens_generated"]) == (mode, 8, sum(counts))
 
 
 # Requests whose every answer is fixed by its body (greedy, or seeded): the same bytes from either layout but for
@@ -162,14 +151,20 @@ def _stream(url: str, max_tokens: int, started: threading.Event | None = None) -
     return events, time.monotonic()
 
 
+def streams_under_way(pool: ThreadPoolExecutor, url: str, count: int, max_tokens: int) -> list:
+    """`count` streams started, each past its first event: their futures."""
+    started = [threading.Event() for _ in range(count)]
+    streams = [pool.submit(_stream, url, max_tokens, event) for event in started]
+    wait_until(lambda: all(event.is_set() for event in started))
+    return streams
+
+
 def test_a_killed_engine_answers_every_stream_with_an_error_and_comes_back(tmp_path):
     settings = {**sim_settings(tmp_path, step_s=0.05), "ENGINE_PROCESS": "on"}
     with serving(tmp_path, **settings) as (url, master):
         worker, engine = server_processes(master)
         with ThreadPoolExecutor(32) as pool:
-            started = [threading.Event() for _ in range(32)]
-            streams = [pool.submit(_stream, url, 400, event) for event in started]
-            wait_until(lambda: all(event.is_set() for event in started))
+            streams = streams_under_way(pool, url, 32, 400)
             os.kill(engine, signal.SIGKILL)
             killed = time.monotonic()
             wait_until(lambda: requests.get(f"{url}/health", timeout=10).status_code == 503, deadline_s=1)
@@ -197,9 +192,7 @@ def test_sigterm_lets_running_requests_finish(tmp_path):
     with serving(tmp_path, **settings) as (url, master):
         worker, engine = server_processes(master)
         with ThreadPoolExecutor(8) as pool:
-            started = [threading.Event() for _ in range(8)]
-            streams = [pool.submit(_stream, url, 60, event) for event in started]
-            wait_until(lambda: all(event.is_set() for event in started))
+            streams = streams_under_way(pool, url, 8, 60)
             os.kill(worker, signal.SIGTERM)
             results = [stream.result(timeout=30) for stream in streams]
         for events, _ in results:

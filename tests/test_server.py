@@ -47,10 +47,11 @@ def dynamic(settings, tmp_path_factory):
         yield url
 
 
+@pytest.mark.parametrize("engine_process", ["off", "on"])  # on: the engine in a process of its own
 @pytest.mark.parametrize("mode", ["nobatch", "static", "dynamic"])
-def test_greedy_output_equals_transformers_in_every_mode(mode, settings, hf_greedy, tmp_path):
+def test_greedy_output_equals_transformers_in_every_mode(mode, engine_process, settings, hf_greedy, tmp_path):
     prompts, counts = text_prompts(8, seed=1), [1, 40, 17, 33, 2, 25, 40, 9]
-    with running_server(mode, tmp_path, **settings) as url:
+    with running_server(mode, tmp_path, **settings, ENGINE_PROCESS=engine_process) as url:
         results = greedy_all(url, prompts, counts, workers=8)
         stats = requests.get(f"{url}/stats", timeout=10).json()
     for prompt, n, result in zip(prompts, counts, results):

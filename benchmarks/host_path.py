@@ -1,0 +1,82 @@
+"""The server's own cost, with no model at all: ENGINE=sim over a runner whose every step sleeps a fixed time.
+
+A GPU's step is short, so there the server's Python (scheduling, building, delivering, every streamed event's
+JSON and socket write) sets the speed; this measures that Python on any machine. Each run is client/benchmark.py's
+`saturate` with N streamed requests against ./server.sh dynamic on ENGINE=sim whose steps each take --step-ms
+(the runner sleeps, holding no lock and no core), for each ENGINE_PROCESS, STREAM_INTERVAL and N given. Printed:
+output tok/s; the engine's host time per step (the step's time less the runner's sleep: schedule, build,
+bookkeeping, delivery), mean and p50 over the run's steps; and the server's CPU time per output token (all its
+processes: the engine's and the front end's).
+
+    python -m benchmarks.host_path                                   # 20 ms steps: 128 and 256 requests
+    python -m benchmarks.host_path --step-ms 3 --requests 128 --engine-process off,on --stream-interval 1
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def profile(directory: Path, step_s: float) -> Path:
+    """A simulated GPU so fast that each step costs `step_s` and nothing else (as tests/conftest.py's)."""
+    path = directory / "fixed-step.toml"
+    path.write_text(
+        "[fixed-step]\nflops = 1e18\nbandwidth = 1e18\nmemory_gib = 80\n"
+        f"compute_efficiency = 1.0\nbandwidth_efficiency = 1.0\nstep_overhead_s = {step_s}\n"
+    )
+    return path
+
+
+def run(directory: Path, gpu: Path, engine_process: str, interval: int, requests: int) -> dict:
+    out = directory / f"engine-{engine_process}-interval-{interval}-{requests}"
+    env = {**os.environ, "ENGINE": "sim", "SIM_MODEL": "gpt2", "SIM_GPU": str(gpu), "DTYPE": "", "TQDM_DISABLE": "1"}
+    env.update(ENGINE_PROCESS=engine_process, STREAM_INTERVAL=str(interval))
+    command = [sys.executable, "client/benchmark.py", "--workload", "saturate", "--modes", "dynamic"]
+    subprocess.run([*command, "--numsamples", str(requests), "--out", str(out)], cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    (result,) = json.loads((out / "results.json").read_text())["runs"]
+    summary, steps, cpu = result["summary"], result["server_stats"]["recent_steps"], result["cpu"]
+    runner_s = steps["stage_time_s"]["forward"]
+    return {
+        "out_tok_s": summary["output_tokens_per_s"],
+        "host_ms": (steps["step_time_s"]["mean"] - runner_s) * 1e3,
+        "host_p50_ms": (steps["step_time_s"]["p50"] - runner_s) * 1e3,
+        "cpu_us_per_token": cpu["server"] * summary["duration_s"] / summary["output_tokens"] * 1e6,
+        "server_cores": cpu["server"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--step-ms", type=float, default=20.0, help="each step's time (the runner sleeps it)")
+    parser.add_argument("--requests", default="128,256")
+    parser.add_argument("--engine-process", default="off,on")
+    parser.add_argument("--stream-interval", default="1,32")
+    parser.add_argument("--rounds", type=int, default=1, help="each setting this many times, in turns")
+    args = parser.parse_args()
+    print(f"ENGINE=sim, every step {args.step_ms:g} ms of sleep; saturate, every request streamed")
+    print("requests | ENGINE_PROCESS | STREAM_INTERVAL | out tok/s | host ms/step (mean, p50) | server CPU µs/token")
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        gpu = profile(directory, args.step_ms / 1e3)
+        for requests in args.requests.split(","):
+            for interval in args.stream_interval.split(","):
+                for _ in range(args.rounds):
+                    for layout in args.engine_process.split(","):
+                        r = run(directory, gpu, layout, int(interval), int(requests))
+                        print(
+                            f"{requests:>8} | {layout:>14} | {interval:>15} | {r['out_tok_s']:9.0f} | "
+                            f"{r['host_ms']:10.2f}, {r['host_p50_ms']:5.2f}    | {r['cpu_us_per_token']:8.1f}",
+                            flush=True,
+                        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
