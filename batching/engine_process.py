@@ -59,8 +59,9 @@ def run(
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect(addresses[0])
     outbox.connect(addresses[1])
+    core = EngineCore()
     try:
-        manager = BatchingManager(build_engine, settings)
+        manager = BatchingManager(build_engine, settings, settled=core.flush)
     except Exception as err:  # noqa: BLE001 - a bad model or setting: the front end says why and stops
         log.exception("the engine could not be built")
         outbox.send(msgspec.msgpack.encode([wire.Failed(f"{type(err).__name__}: {err}")]))
@@ -70,8 +71,8 @@ def run(
     manager.admission.tenants.limits.update(
         {name: (waiting, running) for name, (_, waiting, running) in tenants.items()}
     )
+    core.attach(manager)
     manager.start()
-    core = EngineCore(manager)
     sender = threading.Thread(target=core.send_all, args=(outbox,), name="engine-sender", daemon=True)
     sender.start()
     threading.Thread(target=core.report_status, name="engine-status", daemon=True).start()
@@ -84,11 +85,21 @@ def run(
 class EngineCore:
     """The front end's requests, as Inferences in this process's manager; their outputs, as messages."""
 
-    def __init__(self, manager: BatchingManager):
-        self.manager, self.engine = manager, manager.engine
+    def __init__(self):
         self.tokenizer = load_tokenizer()
-        self.outgoing: queue.SimpleQueue = queue.SimpleQueue()  # FromEngine messages (None: the last was sent)
+        # FromEngine messages, or lists of them (a step's Outs); None: the last has been queued
+        self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self.outs: list[wire.Out] = []  # the loop's, since it last settled (its thread alone)
         self.requests: dict[int, list[Inference]] = {}  # by the front end's request id, until every one answered
+
+    def attach(self, manager: BatchingManager) -> None:
+        self.manager, self.engine = manager, manager.engine
+
+    def flush(self) -> None:
+        """The loop has settled: what it handed out since it last did goes to the sender together."""
+        if self.outs:
+            self.outgoing.put(self.outs)
+            self.outs = []
 
     def ready(self) -> wire.Ready:
         engine = self.engine
@@ -172,16 +183,16 @@ class EngineCore:
         """The sender thread: everything queued when it wakes, as one message."""
         encoder = msgspec.msgpack.Encoder()
         while True:
-            batch = [self.outgoing.get()]
+            queued = [self.outgoing.get()]
             while True:
                 try:
-                    batch.append(self.outgoing.get_nowait())
+                    queued.append(self.outgoing.get_nowait())
                 except queue.Empty:
                     break
-            last = batch[-1] is None
-            if batch := [message for message in batch if message is not None]:
+            batch = [m for item in queued if item is not None for m in (item if isinstance(item, list) else [item])]
+            if batch:
                 outbox.send(encoder.encode(batch))
-            if last:
+            if queued[-1] is None:
                 return
 
     def report_status(self) -> None:
@@ -206,12 +217,12 @@ class _Sink:
             if self.streamed:
                 inference = self.completions[chunk.index]
                 delta = (chunk.text, chunk.num_tokens, chunk.finish_reason)
-                self.core.outgoing.put(wire.Out(*self._new(inference, chunk.num_tokens), delta, None))
+                self.core.outs.append(wire.Out(*self._new(inference, chunk.num_tokens), delta, None))
             return
         seq = chunk.seq
         text = chunk.text.text if chunk.text is not None else ""
         end = wire.End(seq.finish_reason, chunk.error, text, seq.num_cached_prompt_tokens)
-        self.core.outgoing.put(wire.Out(*self._new(chunk, seq.num_generated), None, end))
+        self.core.outs.append(wire.Out(*self._new(chunk, seq.num_generated), None, end))
         self.answered += 1
         if self.answered == len(self.completions):
             self.core.requests.pop(self.rid, None)

@@ -51,9 +51,14 @@ class NotServing(Exception):
 
 
 class BatchingManager:
-    def __init__(self, build_engine: Callable[[], Engine], settings: Settings):
+    def __init__(
+        self, build_engine: Callable[[], Engine], settings: Settings, settled: Callable[[], None] | None = None
+    ):
         """Builds the engine with `build_engine` on the loop's thread (its errors raised here); the loop
-        runs from start()."""
+        runs from start(). `settled`, if given, is called on the loop's thread whenever it has handed out all it
+        had (after each step, before it sleeps, at its end): the engine's own process sends a step's outputs
+        as one message then (batching/engine_process.py)."""
+        self._settled = settled or (lambda: None)
         self._go = threading.Event()  # set by start()
         built: Future[Engine] = Future()
         self._thread = threading.Thread(
@@ -179,11 +184,13 @@ class BatchingManager:
             while not self._past_stop():
                 self._take_requests()
                 self._step()
+                self._settled()
         except BaseException as err:  # the loop must never die silently with requests waiting
             log.exception("batching loop died")
             self._fail_everything(f"the batching loop died: {type(err).__name__}: {err}")
         else:
             self._fail_everything("the server shut down before this request finished")
+        self._settled()
 
     def _past_stop(self) -> bool:
         return self._stop_at is not None and time.monotonic() >= self._stop_at
@@ -198,6 +205,7 @@ class BatchingManager:
                 self.admission.publish(engine.scheduler.waiting, engine.scheduler.running)  # nothing left
             while not engine.has_work() and not self._incoming and not self._past_stop():
                 self.observer.idle()
+                self._settled()
                 self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())
                 self._apply_cancellations()
                 self.observer.woke()
@@ -235,6 +243,7 @@ class BatchingManager:
         limit = self.settings.engine.max_batch_size
         deadline = self._incoming[0][0].arrival + self.settings.static_batch_wait_s
         while self._num_incoming < limit and time.monotonic() < deadline:
+            self._settled()
             self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             self._apply_cancellations()
             if not self._incoming:
