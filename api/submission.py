@@ -81,6 +81,9 @@ def submit(generation: Generation, streamed: bool) -> Submitted:
     try:
         generation.server.manager.enqueue(*completions)
     except Refused as err:
+        if err.reason == "failed":  # the engine's process could not take it (ENGINE_PROCESS=on): its own error
+            kind = "server_error" if err.status >= 500 else "invalid_request_error"
+            raise ApiError(err.status, str(err), kind) from None
         raise ApiError(err.status, str(err), "overloaded", headers={"Retry-After": str(err.retry_after)}) from None
     except NotServing as err:
         raise ApiError(503, str(err), "unavailable") from None

@@ -33,7 +33,7 @@ from batching.inference import Delta, Inference
 from batching.manager import BatchingManager, NotServing
 from batching.text_stream import FaultyTextStream, TextStream
 from config import Settings
-from generate.constraints import Constraint
+from generate.constraints import Constraint, ConstraintError
 from generate.engine import Engine
 from generate.sequence import SamplingParams
 from model.tokenizer import load_tokenizer
@@ -113,7 +113,7 @@ class EngineCore:
         while True:
             message = decoder.decode(inbox.recv())
             if isinstance(message, wire.Submit):
-                self.outgoing.put(self.submit(message))
+                self.outgoing.put(self._submit_or_refuse(message))
             elif isinstance(message, wire.Cancel):
                 mine = self.requests.get(message.rid, [])
                 self.manager.cancel(*(mine[i] for i in message.indices if i < len(mine)))
@@ -124,6 +124,16 @@ class EngineCore:
                 self.manager.join()
                 self.outgoing.put(None)
                 return
+
+    def _submit_or_refuse(self, request: wire.Submit) -> wire.Ack:
+        """One request's trouble here (its constraint failing to compile again, say) is its own answer, never
+        the end of this thread."""
+        try:
+            return self.submit(request)
+        except Exception as err:  # noqa: BLE001 - answered to its request alone
+            self.requests.pop(request.rid, None)
+            status = 400 if isinstance(err, ConstraintError) else 500
+            return wire.Ack(request.rid, ("refused", status, f"{type(err).__name__}: {err}", 0, "failed"))
 
     def submit(self, request: wire.Submit) -> wire.Ack:
         completions: list[Inference] = []

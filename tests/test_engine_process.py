@@ -218,3 +218,46 @@ def test_a_refusal_comes_from_the_engines_admission(settings, tmp_path):
         stats = requests.get(f"{url}/stats", timeout=10).json()
     assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
     assert stats["requests_completed"] == codes.count(200)
+
+
+def test_a_request_the_engine_cannot_take_is_refused_alone(tmp_path):
+    """In the engine's process, a request whose constraint fails to compile there (the front end compiled it,
+    then the engine's own compile failed: a timeout, say) is answered 400 and the next request still runs."""
+    import functools
+
+    from batching import wire
+    from batching.engine_process import EngineCore
+    from batching.manager import BatchingManager
+    from config import Settings
+    from sim.engine import simulated_engine
+
+    settings = Settings.of(**{k.lower(): v for k, v in sim_settings(tmp_path, step_s=0.001).items()})
+    core = EngineCore()
+    manager = BatchingManager(
+        functools.partial(simulated_engine, settings.engine, announce=False), settings, core.flush
+    )
+    core.attach(manager)
+    manager.start()
+    try:
+        params = wire.Params(4, 0.0, 0, 1.0, None, False, None, None, 0, 0.0, 0.0, 1.0, [], None)
+        bad = wire.Params(
+            **{**{f: getattr(params, f) for f in params.__struct_fields__}, "constraint": ("nope", "", None)}
+        )
+        refused = core._submit_or_refuse(
+            wire.Submit(1, [wire.Completion([1, 2], bad, False, False)], [], 0, 0, "", None)
+        )
+        assert refused.refusal is not None and refused.refusal[1] == 400 and "nope" in refused.refusal[2]
+        accepted = core._submit_or_refuse(
+            wire.Submit(2, [wire.Completion([1, 2], params, False, False)], [], 0, 0, "", None)
+        )
+        assert accepted.refusal is None
+        wait_until(lambda: 2 not in core.requests)  # answered: its end went out
+    finally:
+        manager.shut_down(0)
+        manager.join()
+    queued = []
+    while not core.outgoing.empty():
+        item = core.outgoing.get_nowait()
+        queued += item if isinstance(item, list) else [item]
+    (end,) = [m for m in queued if isinstance(m, wire.Out) and m.end is not None]
+    assert (end.rid, end.end.finish_reason, len(end.ids)) == (2, "length", 4)
