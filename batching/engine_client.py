@@ -115,7 +115,7 @@ class EngineClient:
         self._pending: dict[int, list[Inference]] = {}  # by request id, until every completion is answered
         self._rid: dict[Inference, int] = {}
         self._waiting: dict[int, Future] = {}  # acks and replies, by id
-        self._status: wire.Status | None = None  # the engine's latest (set at its Ready: its loop runs from then)
+        self._status = wire.Status("the engine process is starting", False, 0, 0)  # the engine's latest
         self._status_at = 0.0
         self._stopping = False
         self.failure: str | None = None  # why no engine serves now (restarting)
@@ -132,8 +132,7 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        status = self._status
-        return self.failure is None and not self._stopping and status is not None and status.ready
+        return self.failure is None and not self._stopping and self._status.ready
 
     @property
     def alive(self) -> bool:
@@ -147,13 +146,13 @@ class EngineClient:
             return self.failure
         if time.monotonic() - self._status_at > STATUS_LATE_S:
             return f"the engine process has not reported for {STATUS_LATE_S:.0f} s"
-        return self._status.problem if self._status is not None else "the engine process is starting"
+        return self._status.problem
 
     def num_waiting(self) -> int:
-        return self._status.num_waiting if self._status is not None else 0
+        return self._status.num_waiting
 
     def num_running(self) -> int:
-        return self._status.num_running if self._status is not None else 0
+        return self._status.num_running
 
     def enqueue(self, *infs: Inference) -> tuple[Inference, ...]:
         """Send one request's inferences to the engine; its admission's answer raised here (Refused, NotServing)."""
@@ -202,8 +201,7 @@ class EngineClient:
 
     def report(self, name: str, *args):
         """/stats, /metrics or /stats/timeline's body, computed by the engine's process (batching/reports.py)."""
-        value = self.call(name, *args)
-        return tuple(value) if name == "metrics" else value
+        return self.call(name, *args)
 
     def call(self, name: str, *args):
         """What the engine's process answers to a Call; its exception raised here, as the same class where the

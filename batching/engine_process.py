@@ -76,7 +76,7 @@ def run(
     sender = threading.Thread(target=core.send_all, args=(outbox,), name="engine-sender", daemon=True)
     sender.start()
     threading.Thread(target=core.report_status, name="engine-status", daemon=True).start()
-    core.outgoing.put(core.ready())
+    core.outgoing.put(core.ready_message())
     core.serve(inbox)
     sender.join()
     context.destroy(linger=1000)
@@ -101,7 +101,7 @@ class EngineCore:
             self.outgoing.put(self.outs)
             self.outs = []
 
-    def ready(self) -> wire.Ready:
+    def ready_message(self) -> wire.Ready:
         engine = self.engine
         loras = [(a.name, a.path, a.id, a.rank) for a in engine.loras.adapters()]
         cache_tokens = engine.blocks.num_blocks * engine.blocks.block_size

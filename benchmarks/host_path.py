@@ -20,17 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sim.profiles import write_fixed_step_profile
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def profile(directory: Path, step_s: float) -> Path:
-    """A simulated GPU so fast that each step costs `step_s` and nothing else (as tests/conftest.py's)."""
-    path = directory / "fixed-step.toml"
-    path.write_text(
-        "[fixed-step]\nflops = 1e18\nbandwidth = 1e18\nmemory_gib = 80\n"
-        f"compute_efficiency = 1.0\nbandwidth_efficiency = 1.0\nstep_overhead_s = {step_s}\n"
-    )
-    return path
 
 
 def run(directory: Path, gpu: Path, engine_process: str, interval: int, requests: int) -> dict:
@@ -64,7 +56,7 @@ def main() -> int:
     print("requests | ENGINE_PROCESS | STREAM_INTERVAL | out tok/s | host ms/step (mean, p50) | server CPU µs/token")
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        gpu = profile(directory, args.step_ms / 1e3)
+        gpu = write_fixed_step_profile(directory, args.step_ms / 1e3)
         for requests in args.requests.split(","):
             for interval in args.stream_interval.split(","):
                 for _ in range(args.rounds):

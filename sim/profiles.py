@@ -107,6 +107,17 @@ def load_model(name: str, dtype: str = "") -> ModelProfile:
     return replace(model, bytes_per_param=DTYPE_BYTES[dtype]) if dtype else model
 
 
+def write_fixed_step_profile(directory: Path, step_s: float) -> Path:
+    """A profile file (SIM_GPU) of a GPU so fast that every step costs `step_s` and nothing else: a server slow by
+    the clock that costs no CPU, to measure or test everything around the model."""
+    path = directory / "fixed-step.toml"
+    path.write_text(
+        "[fixed-step]\nflops = 1e18\nbandwidth = 1e18\nmemory_gib = 80\n"
+        f"compute_efficiency = 1.0\nbandwidth_efficiency = 1.0\nstep_overhead_s = {step_s}\n"
+    )
+    return path
+
+
 def write_gpu_profile(path: Path, gpu: GpuProfile, measured: dict) -> None:
     """`gpu` as a one-table TOML file in gpus.toml's schema, `measured` (numbers, strings, lists) as its subtable."""
     lines = [f"[{gpu.name}]"]

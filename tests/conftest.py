@@ -24,6 +24,7 @@ os.environ.setdefault("DTYPE", "float32")
 # The CPU attention kernel (ATTENTION_BACKEND=auto's choice on a CPU) is built once, here, into torch's extension
 # cache, before any test or server it starts would each wait on the build.
 from model import cpu_attention  # noqa: E402
+from sim.profiles import write_fixed_step_profile  # noqa: E402
 
 cpu_attention.available()
 
@@ -99,11 +100,7 @@ def hf_prompt_logprobs(hf_model):
 def sim_settings(directory: Path, step_s: float) -> dict[str, str]:
     """ENGINE=sim settings whose every step takes `step_s`, whatever it computes (its FLOP/s and bandwidth
     are so high that the rest is about a microsecond): a server that is slow by the clock and costs no CPU."""
-    profile = directory / "fixed-step.toml"
-    profile.write_text(
-        "[fixed-step]\nflops = 1e18\nbandwidth = 1e18\nmemory_gib = 80\n"
-        f"compute_efficiency = 1.0\nbandwidth_efficiency = 1.0\nstep_overhead_s = {step_s}\n"
-    )
+    profile = write_fixed_step_profile(directory, step_s)
     # DTYPE unset: the simulated model's own (16-bit), not the float32 the real engine's tests run in
     return {"ENGINE": "sim", "SIM_MODEL": "gpt2", "SIM_GPU": str(profile), "DTYPE": ""}
 
