@@ -12,6 +12,7 @@ from dotenv import load_dotenv
 
 MODES = ("nobatch", "static", "dynamic")
 ATTENTION_BACKENDS = ("auto", "reference", "triton", "cpu")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names
 ENGINES = ("gpt2", "sim")
 # gunicorn's threads beyond one per admitted request: what /health, /stats and a full queue's 503 find free.
 SPARE_THREADS = 32
@@ -35,6 +36,9 @@ class EngineSettings:
     kv_cache_gb: float = 0.0  # 0: kvcache.pool_size.default_budget_bytes (4 GB or half the free memory on cpu)
     kv_cache_blocks: int = 0  # > 0 overrides kv_cache_gb (tests, tiny pools)
     block_size: int = 16
+    # auto: keys and values in the model's dtype; int8 (any device) or fp8 / fp8_e4m3 / fp8_e5m2 (CUDA): 8 bits a
+    # value with a scale per token and head (model/attention.py, LayerKV), ~1.9x the blocks of 16 bits in as many bytes
+    kv_cache_dtype: str = "auto"
     prefix_cache: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA when installed, cpu on a CPU where it builds, else reference
     cuda_graphs: str = "auto"  # auto: replay decode steps from CUDA graphs when the triton kernel runs on CUDA
@@ -72,6 +76,8 @@ class EngineSettings:
             raise ValueError(f"MAX_BATCH_TOKENS must be at least 1 (or 0 for the default), got {self.max_batch_tokens}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"ATTENTION_BACKEND must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"KV_CACHE_DTYPE must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.cuda_graphs not in ("auto", "off"):
             raise ValueError(f"CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
         if self.async_scheduling not in ("auto", "off"):

@@ -16,7 +16,7 @@ import torch
 
 from generate.sequence import Sequence
 from generate.step_input import build_step_inputs
-from model.attention import PagedInputs
+from model.attention import LayerKV, PagedInputs
 from model.gpt2 import GPTConfig
 from model.triton_attention import DEFAULT, KernelConfig, TritonAttention
 
@@ -49,12 +49,12 @@ def decode_inputs(batch: int, context: int, block_size: int, device: torch.devic
 
 def time_call(attention: TritonAttention, q, k, v, device: torch.device, repeats: int) -> float:
     """Mean seconds per call after one untimed call (which compiles)."""
-    attention.attend(q, k, v)
+    attention.attend(q, LayerKV(k, v))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
-        attention.attend(q, k, v)
+        attention.attend(q, LayerKV(k, v))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / repeats

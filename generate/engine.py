@@ -14,7 +14,7 @@ from generate.constraint_compiler import ConstraintCompiler
 from generate.fair_share import FairShare
 from generate.grammar_mask import GrammarMasks, StepMasks
 from generate.lora_registry import LoraRegistry
-from generate.model_runner import Launched, ModelRunner
+from generate.model_runner import Launched, ModelRunner, kv_cache_dtype
 from generate.scheduler import Scheduler
 from generate.sequence import SamplingParams, Sequence, Status
 from generate.step_log import StageClock, StepLog, StepRecord
@@ -103,13 +103,14 @@ class Engine:
             host_memory.keep_freed_memory()
         loaded = load_model(settings.model, device, dtype, settings.seed)
         set_products(loaded.model, settings, device, dtype)
-        num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(dtype), default_budget_bytes(device))
+        token_bytes = loaded.model.config.kv_bytes_per_token(dtype, kv_cache_dtype(settings, device))
+        num_blocks = pool_blocks(settings, token_bytes, default_budget_bytes(device))
         if not settings.dtype and not settings.quantization:  # QUANTIZATION=int8 computes in float32 around it
             log.warning(
                 "DTYPE unset: %s, the default on this %s (DTYPE=float32 for float32's exact results)", dtype, device
             )
         log.info(
-            "model %s on %s/%s (CPU_LINEAR=%s, QUANTIZATION=%s); KV cache: %d blocks of %d tokens",
+            "model %s on %s/%s (CPU_LINEAR=%s, QUANTIZATION=%s); KV cache: %d blocks of %d tokens (%s)",
             loaded.name,
             device,
             dtype,
@@ -117,6 +118,7 @@ class Engine:
             settings.quantization or "none",
             num_blocks,
             settings.block_size,
+            settings.kv_cache_dtype,
         )
         runner = ModelRunner.from_settings(loaded.model, num_blocks, settings)
         engine = cls(runner, num_blocks, settings, loaded.name, loaded.is_random)

@@ -16,7 +16,7 @@ from generate.sequence import Sequence
 from generate.step_input import build_step_inputs, reference_groups, upload
 from generate.step_log import StageClock
 from model import cpu_attention
-from model.attention import GatherSpace, PagedInputs, ReferenceAttention, StepAttention
+from model.attention import CACHE_DTYPES, GatherSpace, PagedInputs, ReferenceAttention, StepAttention
 from model.cpu_attention import CpuAttention
 from model.gpt2 import GPT, StepBatch
 from model.lora_slots import LoraSlots, LoraStep
@@ -60,6 +60,7 @@ class ModelRunner:
         max_batch_size: int = 256,
         max_loras: int = 4,
         max_lora_rank: int = 16,
+        cache_dtype: torch.dtype | None = None,
     ):
         assert graphs in GRAPH_MODES and (graphs == "off" or attention == "triton"), "graphs replay the paged kernel"
         self.model, self.block_size, self.attention = model, block_size, attention
@@ -71,7 +72,7 @@ class ModelRunner:
         self.lora_slots = LoraSlots(model.config, max_loras, max_lora_rank, self.device, model.wte.weight.dtype)
         if self.on_gpu:
             model.pad_vocab(64)
-        model.allocate_kv_cache(num_blocks + 1, block_size)
+        model.allocate_kv_cache(num_blocks + 1, block_size, cache_dtype)
         assert attention != "cpu" or cpu_attention.available(), cpu_attention.build_problem()
         if attention == "triton":
             self._warm_kernel(scratch_block=num_blocks)
@@ -120,10 +121,11 @@ class ModelRunner:
         attention = settings.attention_backend
         head_dim = model.config.head_dim
         kernel_fits = _triton_fits(head_dim)
+        cache = kv_cache_dtype(settings, device)
         if attention == "auto":
-            attention = _auto_attention(device, model.wte.weight.dtype, head_dim)
+            attention = _auto_attention(device, model.wte.weight.dtype, head_dim, cache)
         if attention == "cpu":
-            _check_cpu_kernel(device, model.wte.weight.dtype, head_dim)
+            _check_cpu_kernel(device, model.wte.weight.dtype, head_dim, cache)
         if attention == "triton" and not kernel_fits:
             raise ValueError(f"ATTENTION_BACKEND=triton needs a head dimension that is a power of two, not {head_dim}")
         if attention == "triton" and importlib.util.find_spec("triton") is None:
@@ -134,7 +136,7 @@ class ModelRunner:
         graphs = "capture" if settings.cuda_graphs == "auto" and on_cuda else "off"
         max_batch = settings.max_running(device.type == "cuda", model.config.n_positions)
         loras = settings.max_loras, settings.max_lora_rank
-        return cls(model, num_blocks, settings.block_size, attention, graphs, max_batch, *loras)
+        return cls(model, num_blocks, settings.block_size, attention, graphs, max_batch, *loras, cache)
 
     def run(self, seqs: list[Sequence], clock: StageClock, masks: StepMasks | None = None) -> list[int | None]:
         """One forward over every sequence's scheduled tokens (chunks first); the next token of each
@@ -215,23 +217,34 @@ class ModelRunner:
         return ReferenceAttention(reference_groups(seqs, self.block_size, self.device), self.space)
 
 
+def kv_cache_dtype(settings: EngineSettings, device: torch.device) -> torch.dtype | None:
+    """KV_CACHE_DTYPE as the cache stores it (None: the model's dtype). fp8 is a GPU's (on a CPU only the
+    reference backend reads it, slowly, as the tests do); int8 runs everywhere."""
+    cache = CACHE_DTYPES[settings.kv_cache_dtype]
+    fp8 = cache is not None and cache.is_floating_point
+    if fp8 and device.type != "cuda" and settings.attention_backend not in ("reference", "triton"):
+        raise ValueError(f"KV_CACHE_DTYPE={settings.kv_cache_dtype} runs on CUDA; on a CPU use int8")
+    return cache
+
+
 def _triton_fits(head_dim: int) -> bool:
     return head_dim & (head_dim - 1) == 0  # the Triton kernel's tiles need a power of two (GPT-2's: 64)
 
 
-def _auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+def _auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int, cache: torch.dtype | None) -> str:
     if device.type == "cuda":
         usable = _triton_fits(head_dim) and importlib.util.find_spec("triton")
         return "triton" if usable else "reference"
-    fits = device.type == "cpu" and cpu_attention.fits(dtype, head_dim)
+    fits = device.type == "cpu" and cpu_attention.fits(dtype, head_dim, cache)
     return "cpu" if fits and cpu_attention.available() else "reference"
 
 
-def _check_cpu_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
-    if device.type != "cpu" or not cpu_attention.fits(dtype, head_dim):
+def _check_cpu_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, cache: torch.dtype | None) -> None:
+    if device.type != "cpu" or not cpu_attention.fits(dtype, head_dim, cache):
         raise ValueError(
-            f"ATTENTION_BACKEND=cpu runs on a CPU in float32 or bfloat16 with a head dimension of "
-            f"{', '.join(map(str, cpu_attention.HEAD_DIMS))}: not {device.type}, {dtype}, {head_dim}"
+            f"ATTENTION_BACKEND=cpu runs on a CPU in float32 or bfloat16 (its cache in that dtype or int8) with a "
+            f"head dimension of {', '.join(map(str, cpu_attention.HEAD_DIMS))}: not {device.type}, {dtype}, {head_dim}"
+            + (f" over a {cache} cache" if cache is not None else "")
         )
     if not cpu_attention.available():
         raise ValueError(f"ATTENTION_BACKEND=cpu: the kernel could not be built: {cpu_attention.build_problem()}")

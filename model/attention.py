@@ -7,6 +7,11 @@ by every layer: `attend(q, k_cache, v_cache)` returns each query row's attention
   triton     (model/triton_attention.py) reads keys and values through the block tables in
              place, with an online softmax: no gather, no padding to the longest context;
   cpu        (model/cpu_attention.py) the same in C++ on a CPU, built on first use.
+
+A layer's cache (LayerKV) holds keys and values in the model's dtype, or quantized (KV_CACHE_DTYPE int8 or
+fp8): 8 bits a value, with one float32 scale per token and head kept beside each block, so that whatever
+moves a block (the prefix trie, a fork, eviction, preemption) moves its scales with it. Every backend
+quantizes as it stores (`quantize`) and reads values times their row's scale.
 """
 
 import math
@@ -17,6 +22,32 @@ from typing import Protocol
 import torch
 
 BACKENDS = ("reference", "triton", "cpu")
+# KV_CACHE_DTYPE's names (vLLM's --kv-cache-dtype) and what each stores; auto: the model's own dtype. fp8 is e4m3.
+CACHE_DTYPES = {
+    "auto": None,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+# The largest magnitude each quantized dtype holds: a row's scale maps its largest value there.
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+@dataclass(slots=True)
+class LayerKV:
+    """One layer's paged keys and values. Quantized, a stored row is round(x / scale) in 8 bits, its scale
+    max|x| / QMAX over the row's head dimension (symmetric, per token and head: computed as each token is
+    stored, so nothing is calibrated), and a reader takes stored * scale."""
+
+    k: torch.Tensor  # [NB, bs, H, D] keys: the model's dtype, or int8 / float8
+    v: torch.Tensor  # [NB, bs, H, D] values, as k
+    k_scale: torch.Tensor | None = None  # [NB, bs, H] float32, each key row's scale; None: not quantized
+    v_scale: torch.Tensor | None = None  # [NB, bs, H] float32, each value row's
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
 
 class StepAttention(Protocol):
@@ -24,8 +55,7 @@ class StepAttention(Protocol):
 
     def store(
         self,
-        k_cache: torch.Tensor,  # [NB, bs, H, D] this layer's keys
-        v_cache: torch.Tensor,  # [NB, bs, H, D]
+        cache: LayerKV,  # this layer's keys and values
         k: torch.Tensor,  # [T, H, D] the step's new keys
         v: torch.Tensor,  # [T, H, D]
         slots: torch.Tensor,  # [T] where each goes: block * bs + offset
@@ -34,8 +64,7 @@ class StepAttention(Protocol):
     def attend(
         self,
         q: torch.Tensor,  # [T, H, D] the step's queries, flat over sequences
-        k_cache: torch.Tensor,  # [NB, bs, H, D] this layer's keys, the step's new ones already written
-        v_cache: torch.Tensor,  # [NB, bs, H, D]
+        cache: LayerKV,  # this layer's keys and values, the step's new ones already stored
     ) -> torch.Tensor: ...  # [T, H*D]
 
 
@@ -65,11 +94,39 @@ class AttentionGroup:
     out_rows: torch.Tensor  # [N] the step's rows those outputs are
 
 
-def store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] -> (round(x / scale) in `dtype` [T, H, D], scale [T, H] float32), scale = max|x| / QMAX over
+    each row's head dimension (a row of zeros: scale 1). The kernels compute the same, in their own code."""
+    scale = x.abs().amax(dim=-1).float() / QMAX[dtype]  # [T, H]
+    scale = torch.where(scale > 0, scale, 1.0)  # [T, H]
+    y = x.float() / scale[..., None]  # [T, H, D] within +-QMAX
+    if dtype == torch.int8:
+        y = y.round_().clamp_(-127, 127)  # the division can land a hair past 127
+    return y.to(dtype), scale
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows [..., D] times their scales [...] in float32, then in `dtype`: what a reader attends over."""
+    return (x.float() * scale[..., None]).to(dtype)
+
+
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """An 8-bit cache as uint8, for indexed reads and writes: torch has those for every integer type, not for
+    float8 on a CPU. Other dtypes as they are."""
+    return x.view(torch.uint8) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
+
+
+def store(cache: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """The step's new keys and values into their cache slots (StepAttention.store), as indexed writes."""
-    _, _, H, D = k_cache.shape
-    k_cache.view(-1, H, D)[slots] = k  # [NB*bs, H, D] view of the cache
-    v_cache.view(-1, H, D)[slots] = v
+    _, _, H, D = cache.k.shape
+    if not cache.quantized:
+        cache.k.view(-1, H, D)[slots] = k  # [NB*bs, H, D] view of the cache
+        cache.v.view(-1, H, D)[slots] = v
+        return
+    for data, scales, x in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):
+        stored, scale = quantize(x, data.dtype)  # [T, H, D], [T, H]
+        as_bytes(data).view(-1, H, D)[slots] = as_bytes(stored)
+        scales.view(-1, H)[slots] = scale  # [NB*bs, H] view
 
 
 def paged_cache(
@@ -88,6 +145,13 @@ def paged_cache(
     3-6x slower on a CPU). Zeros, as padding rows must read finite values."""
     shape = (*leading, heads, blocks, block_size, head_dim)
     return _zeros(shape, dtype, torch.device(device)).movedim(-4, -2)  # [..., NB, bs, H, D]
+
+
+def paged_scales(*leading: int, blocks: int, block_size: int, heads: int, device: torch.device | str) -> torch.Tensor:
+    """A quantized cache's scales as [..., NB, bs, H] float32, head by head as paged_cache lays out its values:
+    each head's block one contiguous row of bs scales. Zeros: a padding row reads as zeros."""
+    shape = (*leading, heads, blocks, block_size)
+    return _zeros(shape, torch.float32, torch.device(device)).movedim(-3, -1)  # [..., NB, bs, H]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -140,8 +204,8 @@ class ReferenceAttention:
     store = staticmethod(store)
     fused_norms = False  # PyTorch's add, then nn.LayerNorm
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        outputs = [self._attend_group(q, k_cache, v_cache, group) for group in self.groups]
+    def attend(self, q: torch.Tensor, cache: LayerKV) -> torch.Tensor:
+        outputs = [self._attend_group(q, cache, group) for group in self.groups]
         if len(outputs) == 1:
             return outputs[0]  # [T, C] one group holds every row, in order
         out = outputs[0].new_empty((q.shape[0], outputs[0].shape[1]))  # [T, C]
@@ -149,14 +213,19 @@ class ReferenceAttention:
             out[group.out_rows] = y
         return out
 
-    def _attend_group(self, q, k_cache, v_cache, group: AttentionGroup) -> torch.Tensor:
+    def _attend_group(self, q, cache: LayerKV, group: AttentionGroup) -> torch.Tensor:
         """Attention written out as two batched products over the (head, sequence) pairs: on a CPU,
         scaled_dot_product_attention with a mask runs single-query rows 2-6x slower (in bfloat16 the
         most). The scores go through the softmax in float32, as transformers' eager attention does."""
         B, Lq = group.query_index.shape
-        _, _, H, D = k_cache.shape
+        _, _, H, D = cache.k.shape
+        blocks = group.key_blocks.flatten()  # [B*nb]
         # whole blocks: contiguous copies, far faster than per-key gathers
-        k, v = self.space.gather(k_cache, v_cache, group.key_blocks.flatten())  # [H, B*nb, bs, D] each
+        k, v = self.space.gather(as_bytes(cache.k), as_bytes(cache.v), blocks)  # [H, B*nb, bs, D] each
+        if cache.quantized:  # [H, NB, bs] scales of the same blocks
+            k_scale, v_scale = (s.permute(2, 0, 1).index_select(1, blocks) for s in (cache.k_scale, cache.v_scale))
+            k = dequantize(k.view(cache.k.dtype), k_scale, q.dtype)  # [H, B*nb, bs, D]
+            v = dequantize(v.view(cache.v.dtype), v_scale, q.dtype)
         k, v = k.view(H * B, -1, D), v.view(H * B, -1, D)  # [H*B, Lk, D]
         q = (q[group.query_index] * D**-0.5).permute(2, 0, 1, 3).reshape(H * B, Lq, D)  # [H*B, Lq, D]
         scores = torch.bmm(q, k.transpose(1, 2)).view(H, B, Lq, -1).float()  # [H, B, Lq, Lk]

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from model.attention import PagedInputs
+from model.attention import LayerKV, PagedInputs
 from model.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,9 @@ LONG_RUN = 32
 HEAD_DIMS = (8, 16, 32, 64, 128)  # compiled in (cpu_attention.cpp's attend_any); GPT-2's is 64
 
 
-def fits(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype in (torch.float32, torch.bfloat16) and head_dim in HEAD_DIMS
+def fits(dtype: torch.dtype, head_dim: int, cache: torch.dtype | None = None) -> bool:
+    """Whether the kernel computes in `dtype` over a cache of `cache` (None: the model's dtype)."""
+    return dtype in (torch.float32, torch.bfloat16) and head_dim in HEAD_DIMS and cache is None
 
 
 class LongRun(NamedTuple):
@@ -152,15 +153,14 @@ class CpuAttention:
     fused_norms = False  # PyTorch's add, then nn.LayerNorm
 
     @staticmethod
-    def store(
-        k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-    ) -> None:
+    def store(cache: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Each new key and value row copied to its slot (an indexed write into the head-major cache scatters
         element by element: 13 of a 300 ms step at batch 64)."""
-        torch.ops.gpt2_cpu.store_kv(k_cache, v_cache, k, v, slots)
+        torch.ops.gpt2_cpu.store_kv(cache.k, cache.v, k, v, slots)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: LayerKV) -> torch.Tensor:
         """q [T, H, D] (the head dimension contiguous), caches [NB, bs, H, D] -> [T, H*D]."""
+        k_cache, v_cache = cache.k, cache.v
         p = self.paged
         scale = q.shape[-1] ** -0.5
         if p.max_query_len < LONG_RUN:  # decodes and short chunks: the kernel takes every row

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import StepAttention, paged_cache
+from model.attention import LayerKV, StepAttention, paged_cache, paged_scales
 
 if TYPE_CHECKING:
     from model.lora_slots import LoraStep
@@ -34,9 +34,12 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.n_layer * self.n_embd * element
+    def kv_bytes_per_token(self, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> int:
+        """A token's keys and values over every layer: in `cache_dtype` (quantized, with a float32 scale per head)
+        or else in the model's `dtype`."""
+        if cache_dtype is None:
+            return 2 * self.n_layer * self.n_embd * dtype.itemsize
+        return 2 * self.n_layer * (self.n_embd * cache_dtype.itemsize + self.n_head * 4)
 
 
 PRESETS = {
@@ -83,14 +86,13 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: LayerKV, batch: StepBatch) -> torch.Tensor:
         T, C = x.shape
         q, k, v = with_lora(self.c_attn(x), x, batch, self.layer, "attn.c_attn").split(C, dim=1)  # 3 x [T, C]
         q = q.view(T, self.n_head, self.head_dim)  # [T, H, D]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, bs, H, D] each
         shape = (T, self.n_head, self.head_dim)
-        batch.attention.store(k_cache, v_cache, k.view(shape), v.view(shape), batch.slot_mapping)
-        y = batch.attention.attend(q, k_cache, v_cache)  # [T, C]
+        batch.attention.store(kv_cache, k.view(shape), v.view(shape), batch.slot_mapping)
+        y = batch.attention.attend(q, kv_cache)  # [T, C]
         return with_lora(self.c_proj(y), y, batch, self.layer, "attn.c_proj")  # [T, C]
 
 
@@ -129,7 +131,7 @@ class Block(nn.Module):
         self.mlp = MLP(config, layer)
 
     def forward(
-        self, x: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor, batch: StepBatch, next_norm: nn.LayerNorm | None
+        self, x: torch.Tensor, h: torch.Tensor, kv_cache: LayerKV, batch: StepBatch, next_norm: nn.LayerNorm | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: the residual stream, h: ln_1(x), computed with the add before it. Returns the stream after the
         block and next_norm of it (the next block's ln_1, ln_f, or None)."""
@@ -147,7 +149,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in the released checkpoints
-        self.kv_cache: torch.Tensor | None = None  # [L, 2, NB, bs, H, D]
+        self.kv_cache: list[LayerKV] | None = None  # a layer's each
 
     def init_random(self, seed: int) -> None:
         """nanoGPT's initialisation, from a private generator so the seed fixes the weights."""
@@ -174,18 +176,16 @@ class GPT(nn.Module):
             self.wte.weight = nn.Parameter(padded, requires_grad=weight.requires_grad)
             self.lm_head.weight = self.wte.weight
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, cache_dtype: torch.dtype | None = None) -> None:
+        """Every layer's keys and values in the model's dtype, or quantized to `cache_dtype` with their scales."""
         c, p = self.config, self.wte.weight
-        self.kv_cache = paged_cache(
-            c.n_layer,
-            2,
-            blocks=num_blocks,
-            block_size=block_size,
-            heads=c.n_head,
-            head_dim=c.head_dim,
-            dtype=p.dtype,
-            device=p.device,
-        )  # [L, 2, NB, bs, H, D], head by head
+        pool = dict(blocks=num_blocks, block_size=block_size, heads=c.n_head, device=p.device)
+        kv = paged_cache(c.n_layer, 2, **pool, head_dim=c.head_dim, dtype=cache_dtype or p.dtype)  # [L,2,NB,bs,H,D]
+        if cache_dtype is None:
+            self.kv_cache = [LayerKV(k, v) for k, v in kv]
+            return
+        scales = paged_scales(c.n_layer, 2, **pool)  # [L, 2, NB, bs, H]
+        self.kv_cache = [LayerKV(k, v, k_scale, v_scale) for (k, v), (k_scale, v_scale) in zip(kv, scales)]
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:

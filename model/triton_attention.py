@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.attention import PagedInputs
+from model.attention import LayerKV, PagedInputs
 from model.triton_store import store_kv
 
 
@@ -224,8 +224,9 @@ class TritonAttention:
         tables = paged.block_tables
         self.block_tables = tables if tables.dtype == config.table_dtype else tables.to(config.table_dtype)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: LayerKV) -> torch.Tensor:
         T, H, D = q.shape
+        k_cache, v_cache = cache.k, cache.v
         assert k_cache.stride(3) == 1 and q.stride(2) == 1 and k_cache.stride() == v_cache.stride()
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)  # [T, H, D]
         num_seqs, max_keys = self.paged.context_lens.shape[0], self.block_tables.shape[1] * k_cache.shape[1]

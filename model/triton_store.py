@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.attention import LayerKV
+
 
 @triton.jit
 def _store_kv(
@@ -31,14 +33,14 @@ def _store_kv(
 
 
 def store_kv(
-    k_cache: torch.Tensor,  # [NB, bs, H, D] any strides, D contiguous
-    v_cache: torch.Tensor,  # [NB, bs, H, D] strided as k_cache
+    cache: LayerKV,  # [NB, bs, H, D] each, any strides, D contiguous, v strided as k
     k: torch.Tensor,  # [T, H, D] views of the [T, 3C] projection
     v: torch.Tensor,  # [T, H, D]
     slots: torch.Tensor,  # [T] block * bs + offset
 ) -> None:
     """StepAttention.store in one launch (indexed writes take two, of a few microseconds each, per layer)."""
     T, H, D = k.shape
+    k_cache, v_cache = cache.k, cache.v
     _, block_size, _, _ = k_cache.shape
     assert k.stride() == v.stride() and k.stride(2) == 1, "k and v: views of one [T, 3C] projection"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1

@@ -16,6 +16,7 @@ from config import EngineSettings
 from generate.model_runner import ModelRunner
 from generate.step_input import build_step_inputs
 from model import cpu_attention
+from model.attention import LayerKV
 from model.gpt2 import GPT, GPTConfig
 
 if not cpu_attention.available():
@@ -37,7 +38,7 @@ def test_kernel_equals_dense_attention(shapes, dtype, block_size, layout):
     rows = sum(s.num_scheduled_tokens for s in seqs)
     q = torch.randn((rows, 3 * H * D), generator=gen).to(dtype)[:, : H * D].view(rows, H, D)  # strided, as the model's
     expected = dense_attention(q, *caches, seqs, block_size)
-    got = cpu_attention.CpuAttention(build_step_inputs(seqs, block_size, CPU).paged).attend(q, *caches)
+    got = cpu_attention.CpuAttention(build_step_inputs(seqs, block_size, CPU).paged).attend(q, LayerKV(*caches))
     torch.testing.assert_close(got.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -105,5 +106,5 @@ def test_kernel_reads_no_slot_past_a_sequence_context(dtype, block_size):
     rows = sum(s.num_scheduled_tokens for s in seqs)
     q = torch.randn((rows, H, D), generator=gen).to(dtype)
     expected = dense_attention(q, *caches, seqs, block_size)
-    got = cpu_attention.CpuAttention(build_step_inputs(seqs, block_size, CPU).paged).attend(q, *caches)
+    got = cpu_attention.CpuAttention(build_step_inputs(seqs, block_size, CPU).paged).attend(q, LayerKV(*caches))
     torch.testing.assert_close(got.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -5,7 +5,7 @@ import torch
 from attention_oracle import LAYOUTS, SHAPES, D, H, dense_attention, random_cache, scheduled
 
 from generate.step_input import reference_groups
-from model.attention import GatherSpace, ReferenceAttention
+from model.attention import GatherSpace, LayerKV, ReferenceAttention
 
 CPU = torch.device("cpu")
 # chunks and decodes whose contexts are far apart, interleaved: several groups whose rows are not contiguous
@@ -23,7 +23,7 @@ def test_reference_equals_dense_attention(shapes, block_size, layout):
     rows = sum(s.num_scheduled_tokens for s in seqs)
     q = torch.randn((rows, H, D), generator=gen)
     groups = reference_groups(seqs, block_size, CPU)
-    got = ReferenceAttention(groups, GatherSpace()).attend(q, *caches)
+    got = ReferenceAttention(groups, GatherSpace()).attend(q, LayerKV(*caches))
     torch.testing.assert_close(got.double(), dense_attention(q, *caches, seqs, block_size), atol=1e-5, rtol=1e-5)
     assert sorted(torch.cat([g.out_rows for g in groups]).tolist()) == list(range(rows)), "every row exactly once"
 

@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="the Triton kernel needs the triton package
 from generate.cuda_graphs import batch_ladder  # noqa: E402
 from generate.sequence import SamplingParams, Sequence  # noqa: E402
 from generate.step_input import build_step_inputs  # noqa: E402
-from model.attention import paged_cache, store  # noqa: E402
+from model.attention import LayerKV, paged_cache, store  # noqa: E402
 from model.triton_attention import KernelConfig, TritonAttention, partitions  # noqa: E402
 from model.triton_store import store_kv  # noqa: E402
 
@@ -57,7 +57,7 @@ def test_kernel_equals_dense_attention(shapes, dtype, block_size, layout):
     q = torch.randn((rows, 3 * H * D), generator=gen).to(DEVICE, dtype)[:, : H * D].view(rows, H, D)  # strided
     expected = dense_attention(q.cpu(), *(c.cpu() for c in caches), seqs, block_size)
     paged = build_step_inputs(seqs, block_size, DEVICE).paged
-    got = TritonAttention(paged, UNSPLIT).attend(q, *caches).double().cpu()
+    got = TritonAttention(paged, UNSPLIT).attend(q, LayerKV(*caches)).double().cpu()
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -88,7 +88,7 @@ def test_split_decode_equals_dense_attention(shapes, block_size, dtype):
     paged = build_step_inputs(seqs, block_size, DEVICE).paged
     max_keys = paged.block_tables.shape[1] * block_size
     assert partitions(len(seqs), H, max_keys, DEVICE, SPLIT) > 1  # the split kernel, not the tiled one
-    got = TritonAttention(paged, SPLIT).attend(q, *caches).double().cpu()
+    got = TritonAttention(paged, SPLIT).attend(q, LayerKV(*caches)).double().cpu()
     expected = dense_attention(q.cpu(), *(c.cpu() for c in caches), seqs, block_size)
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -122,8 +122,8 @@ def test_store_kernel_writes_every_slot_and_nothing_else(layout, block_size, dty
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:T].to(DEVICE)  # scattered over blocks
     caches = [poisoned_cache(layout, num_blocks, block_size, dtype) for _ in (k, v)]  # [NB, bs, H, D] each
     expected = [c.clone() for c in caches]
-    store(*expected, k, v, slots)
-    store_kv(*caches, k, v, slots)
+    store(LayerKV(*expected), k, v, slots)
+    store_kv(LayerKV(*caches), k, v, slots)
     for cache, want, new in zip(caches, expected, (k, v)):
         torch.testing.assert_close(cache, want, atol=0, rtol=0, equal_nan=True)  # a copy: exact
         assert torch.equal(cache.reshape(-1, H, D)[slots], new)  # every row in its slot
