@@ -19,11 +19,11 @@ from batching.tenant_stats import EVERY_TENANT, TenantView, only_shown
 
 
 def render(
-    live: LiveTable, steps: StepSummary, loras: Metric | None = None, view: TenantView = EVERY_TENANT
+    live: LiveTable, steps: StepSummary, infos: list[Metric] = (), view: TenantView = EVERY_TENANT
 ) -> tuple[bytes, str]:
-    """The scrape; per-tenant series only for the tenants `view` shows."""
+    """The scrape, with `infos` (vLLM's *_info series); per-tenant series only for the tenants `view` shows."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Scrape(live, steps, loras, view))
+    registry.register(_Scrape(live, steps, infos, view))
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
@@ -37,9 +37,18 @@ def lora_requests_info(model: str, running: list[str], waiting: list[str], max_l
     return family
 
 
+def cache_config_info(model: str, block_size: int, cache_dtype: str, prefix_cache: bool, num_blocks: int) -> Metric:
+    """vLLM's vllm:cache_config_info: the KV cache's configuration as labels (vLLM's names for a subset of its
+    CacheConfig's fields, and its engine index, 0), value 1. With model_name too, as every vllm: series here."""
+    labels = ["model_name", "block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "engine"]
+    family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=labels)
+    family.add_metric([model, str(block_size), cache_dtype, str(prefix_cache), str(num_blocks), "0"], 1)
+    return family
+
+
 class _Scrape(Collector):
-    def __init__(self, live: LiveTable, steps: StepSummary, loras: Metric | None, view: TenantView) -> None:
-        self.live, self.steps, self.loras, self.view = live, steps, loras, view
+    def __init__(self, live: LiveTable, steps: StepSummary, infos: list[Metric], view: TenantView) -> None:
+        self.live, self.steps, self.infos, self.view = live, steps, infos, view
 
     def collect(self) -> Iterator[Metric]:
         values = only_shown(self.live.values(), self.view, self.live.engine.scheduler.fair.ledger)
@@ -59,8 +68,7 @@ class _Scrape(Collector):
                 family.add_metric([model_name] if model_name else [], buckets, total)
                 yield family
         yield from _recent_steps(self.steps)
-        if self.loras is not None:
-            yield self.loras
+        yield from self.infos
 
 
 def _family(name: str, kind: str, help: str, value: Reading, label: str | None, model: str | None = None) -> Metric:

@@ -19,12 +19,13 @@ def stats(manager: "BatchingManager", every: bool, tenant: str | None) -> dict:
 
 def prometheus(manager: "BatchingManager", every: bool, tenant: str | None) -> tuple[bytes, str]:
     """The exposition and its content type."""
-    loras = None
+    settings, engine = manager.settings.engine, manager.engine
+    cache = engine.blocks.block_size, settings.kv_cache_dtype, settings.prefix_cache, engine.blocks.num_blocks
+    infos = [metrics.cache_config_info(engine.model_name, *cache)]
     if every:
         running, waiting = manager.lora_names()
-        max_loras = manager.settings.engine.max_loras
-        loras = metrics.lora_requests_info(manager.engine.model_name, running, waiting, max_loras)
-    return metrics.render(manager.live, manager.step_summary(), loras, TenantView(every, tenant))
+        infos.append(metrics.lora_requests_info(engine.model_name, running, waiting, settings.max_loras))
+    return metrics.render(manager.live, manager.step_summary(), infos, TenantView(every, tenant))
 
 
 def steps_and_events(

@@ -19,6 +19,8 @@ def server_stats(manager: "BatchingManager") -> dict:
         "mode": manager.settings.mode,
         "model": manager.engine.model_name,
         "prefix_cache": manager.settings.engine.prefix_cache,
+        "kv_cache_dtype": manager.settings.engine.kv_cache_dtype,
+        "block_size": manager.settings.engine.block_size,
         "kv_cache_integrity": manager.cache_problem or "ok",
         **live.values(),
         "window": live.window_figures(),

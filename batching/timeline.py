@@ -60,6 +60,7 @@ def server_info(manager: "BatchingManager") -> dict:
         "max_batch_size": engine_settings.max_batch_size,
         "max_batch_tokens": engine.max_batch_tokens,
         "block_size": engine_settings.block_size,
+        "kv_cache_dtype": engine_settings.kv_cache_dtype,
         "prefix_cache": engine_settings.prefix_cache,
         "started_at": manager.started_at,
     }

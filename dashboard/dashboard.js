@@ -306,7 +306,7 @@
     document.getElementById("device").textContent = server.device;
     document.getElementById("limits").textContent =
       `${server.max_batch_size} sequences, ${server.max_batch_tokens} tokens a step, ` +
-      `${live.kv_blocks_total} KV blocks of ${server.block_size}`;
+      `${live.kv_blocks_total} KV blocks of ${server.block_size} (${server.kv_cache_dtype})`;
     document.getElementById("step-count").textContent = String(live.steps);
   }
 

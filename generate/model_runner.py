@@ -192,7 +192,7 @@ class ModelRunner:
             inputs.input_ids,
             inputs.positions,
             inputs.slot_mapping,
-            self._attention(seqs, inputs.paged),
+            self.step_attention(seqs, inputs.paged),
             inputs.logits_rows,
             lora,
         )
@@ -207,7 +207,8 @@ class ModelRunner:
         slot = self.lora_slots.place(adapters)
         return self.lora_slots.step([slot.get(s.lora_id, -1) for s in seqs for _ in range(s.num_scheduled_tokens)])
 
-    def _attention(self, seqs: list[Sequence], paged: PagedInputs) -> StepAttention:
+    def step_attention(self, seqs: list[Sequence], paged: PagedInputs) -> StepAttention:
+        """How the step's rows attend, by this runner's backend."""
         if self.attention == "cpu":
             return CpuAttention(paged)
         if self.attention == "triton":

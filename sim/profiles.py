@@ -2,7 +2,7 @@
 
 import json
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +48,7 @@ class ModelProfile:
     norm: str  # "layernorm" or "rmsnorm"
     tied_embeddings: bool
     bytes_per_param: int
+    kv_quantized: bool = False  # KV_CACHE_DTYPE int8 / fp8: a byte a value and a float32 scale per token and head
 
     def __post_init__(self) -> None:
         assert self.d_model % self.n_head == 0 and self.norm in ("layernorm", "rmsnorm")
@@ -73,6 +74,8 @@ class ModelProfile:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        if self.kv_quantized:  # as model.gpt2.GPTConfig.kv_bytes_per_token counts a quantized cache
+            return 2 * self.n_layer * (self.d_model + 4 * self.n_head)
         return 2 * self.n_layer * self.d_model * self.bytes_per_param  # a key and a value per layer
 
     @property
@@ -98,12 +101,13 @@ def load_gpu(spec: str) -> GpuProfile:
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def load_model(name: str, dtype: str = "") -> ModelProfile:
-    """A model by its name in sim/models.toml; `dtype` (a DTYPE setting) overrides its bytes per parameter."""
+def load_model(name: str, dtype: str = "", kv_cache_dtype: str = "auto") -> ModelProfile:
+    """A model by its name in sim/models.toml; `dtype` (a DTYPE setting) overrides its bytes per parameter,
+    `kv_cache_dtype` (KV_CACHE_DTYPE) other than auto makes its cache 8 bits a value."""
     table = _read(MODELS_FILE)
     if name not in table:
         raise ProfileError(f"unknown model {name!r}: expected one of {', '.join(table)}")
-    model = _build(ModelProfile, name, table[name])
+    model = replace(_build(ModelProfile, name, table[name]), kv_quantized=kv_cache_dtype != "auto")
     return replace(model, bytes_per_param=DTYPE_BYTES[dtype]) if dtype else model
 
 
@@ -148,10 +152,10 @@ def _read(path: Path) -> dict:
 def _build(cls, name: str, entry: dict):
     """`cls` from a TOML table; keys the class does not know (a profiler's measurements) are kept out."""
     wanted = [f.name for f in fields(cls) if f.name != "name"]
-    missing = [k for k in wanted if k not in entry]
+    missing = [f.name for f in fields(cls) if f.name in wanted and f.default is MISSING and f.name not in entry]
     if missing:
         raise ProfileError(f"profile {name!r} lacks {', '.join(missing)}")
     try:
-        return cls(name=name, **{k: entry[k] for k in wanted})
+        return cls(name=name, **{k: entry[k] for k in wanted if k in entry})
     except (AssertionError, TypeError) as err:
         raise ProfileError(f"profile {name!r} has an impossible value: {err or 'out of range'}") from None

@@ -42,7 +42,7 @@ class SimRunner:
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, sleep: Callable[[float], None] = time.sleep) -> "SimRunner":
-        model = load_model(settings.sim_model, settings.dtype)
+        model = load_model(settings.sim_model, settings.dtype, settings.kv_cache_dtype)
         return cls(load_gpu(settings.sim_gpu), model, settings.sim_num_gpus, sleep)
 
     def cost(self, seqs: list[Sequence]) -> StepCost:

@@ -2,6 +2,7 @@
 in-process app serving it."""
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,17 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-gpt2")
     GPT2LMHeadModel(GPT2Config(**TINY)).eval().save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def instrument_checkpoint(tmp_path_factory) -> Path:
+    """benchmarks/train_instrument.py's tiny preset, 40 steps on the standard library's text (~15 s): a checkpoint
+    whose distributions have learned the text's statistics, where a lossy mode's error shows."""
+    out = tmp_path_factory.mktemp("instrument") / "tiny"
+    command = [sys.executable, "-m", "benchmarks.train_instrument", "--out", str(out), "--preset", "tiny"]
+    command += ["--steps", "40", "--batch", "4", "--train-tokens", "200000", "--lr", "3e-3"]
+    subprocess.run(command, cwd=Path(__file__).parent.parent, check=True, timeout=600, capture_output=True)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from generate.engine import Engine
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
 from generate.step_input import build_step_inputs, reference_groups
-from model.attention import ReferenceAttention
+from model.attention import CACHE_DTYPES, ReferenceAttention
 from model.gpt2 import StepBatch, gelu_new
 from model.loader import ModelLoadError, load_model, resolve_model
 
@@ -27,7 +27,8 @@ def make_engine(checkpoint, num_blocks=256, block_size=4, attention="reference",
     loaded = load_model(str(checkpoint), device, torch.float32)
     settings = EngineSettings(block_size=block_size, **settings)
     max_batch = settings.max_running(device.type == "cuda", loaded.model.config.n_positions)
-    runner = ModelRunner(loaded.model, num_blocks, block_size, attention, graphs, max_batch)
+    cache = CACHE_DTYPES[settings.kv_cache_dtype]
+    runner = ModelRunner(loaded.model, num_blocks, block_size, attention, graphs, max_batch, cache_dtype=cache)
     return Engine(runner, num_blocks, settings, loaded.name)
 
 

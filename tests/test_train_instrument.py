@@ -3,24 +3,18 @@ loss falls far below the same model untrained), and the engine serves what it sa
 
 import json
 import math
-import subprocess
-import sys
 
 import torch
 from transformers import GPT2LMHeadModel
 
-from client.launch import ROOT
 from generate.llm import LLM
 from generate.sequence import SamplingParams
 from model.tokenizer import load_tokenizer
 from tests.conftest import greedy_continuation
 
 
-def test_the_instrument_learns_and_the_engine_serves_it(tmp_path):
-    out = tmp_path / "instrument"
-    command = [sys.executable, "-m", "benchmarks.train_instrument", "--out", str(out), "--preset", "tiny"]
-    command += ["--steps", "40", "--batch", "4", "--train-tokens", "200000", "--lr", "3e-3"]
-    subprocess.run(command, cwd=ROOT, check=True, timeout=600, capture_output=True)
+def test_the_instrument_learns_and_the_engine_serves_it(instrument_checkpoint):
+    out = instrument_checkpoint  # trained with --steps 40 --batch 4 (tests/conftest.py)
     record = json.loads((out / "instrument.json").read_text())
     assert record["steps"] == 40 and record["held_out_files"] > 0
     # Untrained, a GPT-2 is near uniform over its 50,257 tokens (ln 50257 = 10.8 nats). Learning the text's token
