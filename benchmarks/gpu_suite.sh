@@ -38,6 +38,10 @@
 #                                                    #   STREAM_INTERVAL 1; 32; 512), seed-like (20), decode steps
 #                                                    #   against .base
 #   bash benchmarks/gpu_suite.sh servers             # one call: real servers at a 7-token budget, the API's tests
+#   bash benchmarks/gpu_suite.sh kv-cache            # one call: the Triton kernels' tests (quantized caches: int8,
+#                                                    #   fp8_e4m3, fp8_e5m2; and the float ones), decode steps at
+#                                                    #   batch 256 over ~1,000-token contexts with KV_CACHE_DTYPE
+#                                                    #   auto, int8 and fp8; saturate (256) with each
 #   bash benchmarks/gpu_suite.sh check               # versions, the CUDA tests (kernel and model; servers)
 #   bash benchmarks/gpu_suite.sh tune                # decode steps with both backends, a profiler table, the
 #                                                    #   kernel's knobs swept
@@ -358,6 +362,29 @@ servers() {  # ~4.5 minutes at most: real servers at a 7-token step budget, then
   step cuda-openai 110 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_openai.py
 }
 
+kv_cache() {  # ~8 minutes at most: KV_CACHE_DTYPE's quantized caches through the Triton kernels and CUDA graphs
+  step versions 20 "$PY" -c "import sys, torch, triton, transformers as t; print(sys.version, 'torch', torch.__version__,
+torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'triton', triton.__version__)"
+  # Every kernel test on the compiled kernels: over int8 and both float8 caches (against attention over the
+  # dequantized cache, and within the bound quantization sets of the float cache's; the store kernel bit for bit
+  # against model.attention.quantize; greedy tokens from captured graphs against the reference backend's over the
+  # same cache dtype), and the float caches' tests, whose kernels take the new arguments too
+  step cuda-kv-kernel 130 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_attention.py
+  # One decode step of 256 sequences: prompts of 960 tokens (context + generated must stay within gpt2-medium's 1,024
+  # positions; a budget of 8,192 prefills them in 31 steps), so the timed steps attend over ~1,005 keys each. The
+  # floor counts each cache dtype's bytes (benchmarks/decode_step.py, step_bytes)
+  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 256 --context 960 --steps 20) cache
+  for cache in auto int8 fp8; do
+    step decode-kv-$cache 75 env MAX_BATCH_TOKENS=8192 KV_CACHE_DTYPE=$cache "${decode[@]}"
+  done
+  local runs=()
+  for cache in auto int8 fp8; do
+    benchmark saturate-256-kv-$cache 45 KV_CACHE_DTYPE=$cache -- --workload saturate --numsamples 256 --modes dynamic
+    runs+=("saturate-256-kv-$cache")
+  done
+  archive kv-cache "${runs[@]}"
+}
+
 tune() {
   local decode=("$PY" -m benchmarks.decode_step --batch-sizes 1,32,128,256 --context 200)
   step decode-triton 150 "${decode[@]}" --profile
@@ -393,12 +420,12 @@ seed_like_baselines() {
   archive seed-like-baselines seed-like-baselines
 }
 
-[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,54p' "$0"; exit 2; }
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
     base) shift; rm -rf .base && mkdir .base && git archive "$1" | tar -x -C .base && rm -rf .base/docs && echo ".base: $1"; exit ;;
-    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | host-profile | tree-ab | engine-process | overlap-2 | servers | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | host-profile | tree-ab | engine-process | overlap-2 | servers | kv-cache | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels

@@ -4,8 +4,9 @@ For each batch size, one layer's attention of a decode step — `batch` sequence
 `context` keys each through shuffled block tables — runs under every combination of num_warps,
 BLOCK_N, the decode tile (BLOCK_M=1: a row per program, reductions on CUDA cores; BLOCK_M=16: tl.dot
 on tensor cores, 15 rows masked) and the block tables' integer width. A row gives microseconds per
-call and the KV bytes it read per second; `*` marks model/triton_attention.DEFAULT, what the engine
-runs. Under TRITON_INTERPRET=1 on CPU it runs too (slowly), which is how a test checks the table.
+call and the KV bytes it read per second (over a quantized cache, `cache_dtype` int8 or float8: the 8-bit
+values and their float32 scales); `*` marks model/triton_attention.DEFAULT, what the engine runs. Under
+TRITON_INTERPRET=1 on CPU it runs too (slowly), which is how a test checks the table.
 """
 
 import itertools
@@ -16,7 +17,7 @@ import torch
 
 from generate.sequence import Sequence
 from generate.step_input import build_step_inputs
-from model.attention import LayerKV, PagedInputs
+from model.attention import LayerKV, PagedInputs, quantize
 from model.gpt2 import GPTConfig
 from model.triton_attention import DEFAULT, KernelConfig, TritonAttention
 
@@ -47,17 +48,26 @@ def decode_inputs(batch: int, context: int, block_size: int, device: torch.devic
     return build_step_inputs(seqs, block_size, device).paged
 
 
-def time_call(attention: TritonAttention, q, k, v, device: torch.device, repeats: int) -> float:
+def time_call(attention: TritonAttention, q, cache: LayerKV, device: torch.device, repeats: int) -> float:
     """Mean seconds per call after one untimed call (which compiles)."""
-    attention.attend(q, LayerKV(k, v))
+    attention.attend(q, cache)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
-        attention.attend(q, LayerKV(k, v))
+        attention.attend(q, cache)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / repeats
+
+
+def quantized(keys: torch.Tensor, values: torch.Tensor, cache_dtype: torch.dtype | None) -> LayerKV:
+    """Keys and values [NB, bs, H, D] as they are, or quantized to `cache_dtype` with their scales [NB, bs, H]."""
+    if cache_dtype is None:
+        return LayerKV(keys, values)
+    (k, k_scale), (v, v_scale) = (quantize(x.flatten(0, 1), cache_dtype) for x in (keys, values))
+    shape = keys.shape
+    return LayerKV(k.view(shape), v.view(shape), k_scale.view(shape[:3]), v_scale.view(shape[:3]))
 
 
 def sweep(
@@ -68,8 +78,9 @@ def sweep(
     device: torch.device,
     repeats: int,
     block_size: int = 16,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
-    """Print one row per knob combination and batch size."""
+    """Print one row per knob combination and batch size, over a cache in `dtype` or quantized to `cache_dtype`."""
     H, D = config.n_head, config.head_dim
     print(HEADER)
     for batch in batch_sizes:
@@ -77,10 +88,11 @@ def sweep(
         gen = torch.Generator().manual_seed(0)
         num_blocks = batch * -(-context // block_size)
         k, v = (torch.randn((num_blocks, block_size, H, D), generator=gen).to(device, dtype) for _ in range(2))
+        cache = quantized(k, v, cache_dtype)  # token by token (not paged_cache's layout), as the sweeps so far
         q = torch.randn((batch, H, D), generator=gen).to(device, dtype)  # [B, H, D]
-        kv_bytes = 2 * batch * context * H * D * k.element_size()
+        kv_bytes = 2 * batch * context * H * (D * cache.k.element_size() + (4 if cache.quantized else 0))
         for c in configs():
-            seconds = time_call(TritonAttention(paged, c), q, k, v, device, repeats)
+            seconds = time_call(TritonAttention(paged, c), q, cache, device, repeats)
             mark = "*" if c == DEFAULT else " "
             table = str(c.table_dtype).removeprefix("torch.")
             print(

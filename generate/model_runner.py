@@ -132,6 +132,13 @@ class ModelRunner:
             raise ValueError("ATTENTION_BACKEND=triton needs the triton package (it comes with CUDA builds of torch)")
         if attention == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("ATTENTION_BACKEND=triton runs on CUDA, or on CPU under TRITON_INTERPRET=1")
+        if attention == "triton" and cache == torch.float8_e4m3fn and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (8, 9):  # Triton converts float8 e4m3 from sm_89 (Ada, Hopper) on; e5m2 everywhere
+                raise ValueError(
+                    f"KV_CACHE_DTYPE={settings.kv_cache_dtype} (float8 e4m3) with the Triton kernel needs a GPU of "
+                    f"compute capability 8.9 or later, not {capability[0]}.{capability[1]}: use fp8_e5m2 or int8"
+                )
         on_cuda = attention == "triton" and device.type == "cuda"
         graphs = "capture" if settings.cuda_graphs == "auto" and on_cuda else "off"
         max_batch = settings.max_running(device.type == "cuda", model.config.n_positions)

@@ -14,6 +14,11 @@ accumulator; a second kernel combines them. The partition count depends only on 
 shapes, the partition length is computed in the kernel from the context: a graph replays it.
 The step's new keys and values go into the cache in one launch (model/triton_store.py).
 
+A quantized cache (KV_CACHE_DTYPE int8 or fp8: 8-bit values and a float32 scale per token and head, see
+model/attention.py) is read in place too: each loop iteration loads its keys' and values' scales beside them and
+attends over stored * scale, in float32, then (tl.dot's path) in q's dtype, as the reference backend dequantizes.
+The QUANTIZED constexpr picks that variant; an unquantized cache runs the code before it, reading no scales.
+
 Triton compiles one variant per constexpr and per specialisation of the other arguments (a pointer
 divisible by 16 or not, an integer equal to 1 or divisible by 16). So the step's inputs are uploaded
 16-byte aligned (generate/step_input.py), `stride_bt` (the block tables' width, which changes with
@@ -100,13 +105,26 @@ def partitions(num_seqs: int, heads: int, max_keys: int, device: torch.device, c
 
 
 @triton.jit
+def _dequantize(x, scale, q, BLOCK_M: tl.constexpr):
+    """Stored [BN, D] times its rows' scales [BN] in float32; for tl.dot's path, then in q's dtype (as
+    model/attention.py `dequantize` gives the reference backend), else float32 for the products on CUDA cores."""
+    x = x.to(tl.float32) * scale[:, None]
+    if BLOCK_M >= 16:
+        return x.to(q.dtype)
+    return x
+
+
+@triton.jit
 def _attend_keys(
-    q, last_key, key_start, key_end, K, V, table, head_offset, stride_kb, stride_ks, scale,
+    q, last_key, key_start, key_end, K, V, KS, VS, table, head_offset, scale_offset,
+    stride_kb, stride_ks, stride_sb, stride_ss, scale,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of q's rows [BM, D] over keys key_start..key_end-1, row r seeing keys up to last_key[r]:
-    the running max [BM], sum [BM] and unnormalised output [BM, D]. No keys: -inf, 0 and 0."""
+    the running max [BM], sum [BM] and unnormalised output [BM, D]. No keys: -inf, 0 and 0. QUANTIZED: K and V
+    hold 8-bit values, each key's row scaled by its float32 scale in KS / VS (at block * stride_sb + offset *
+    stride_ss + scale_offset); else K and V are in q's dtype and KS, VS are not read."""
     dims = tl.arange(0, HEAD_DIM)
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -118,6 +136,10 @@ def _attend_keys(
         offset = block[:, None] * stride_kb + (keys % BLOCK_SIZE)[:, None] * stride_ks + head_offset
         k = tl.load(K + offset + dims[None, :], mask=present[:, None], other=0.0)  # [BN, D]
         v = tl.load(V + offset + dims[None, :], mask=present[:, None], other=0.0)  # [BN, D]
+        if QUANTIZED:
+            at = block * stride_sb + (keys % BLOCK_SIZE) * stride_ss + scale_offset  # [BN] each key's row scale
+            k = _dequantize(k, tl.load(KS + at, mask=present, other=0.0), q, BLOCK_M)
+            v = _dequantize(v, tl.load(VS + at, mask=present, other=0.0), q, BLOCK_M)
         s = _scores(q, k, BLOCK_M, PRECISION) * scale  # [BM, BN]
         # causal, which also hides absent keys: every row sees the range's first key, so no row is all -inf
         s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
@@ -132,11 +154,11 @@ def _attend_keys(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention(
-    Q, K, V, Out, query_start, context_lens, block_tables,
+    Q, K, V, KS, VS, Out, query_start, context_lens, block_tables,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
-    scale,
+    stride_sb, stride_ss, stride_sh, scale,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     seq, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start + seq)
@@ -151,8 +173,9 @@ def _paged_attention(
         q = tl.load(q_ptr, mask=real[:, None], other=0.0)
         key_end = tl.minimum(context, context - q_len + (tile + 1) * BLOCK_M)  # what the tile's last row sees
         _, running_sum, acc = _attend_keys(
-            q, query_pos, 0, key_end, K, V, block_tables + seq * stride_bt, head * stride_kh, stride_kb, stride_ks,
-            scale, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION,
+            q, query_pos, 0, key_end, K, V, KS, VS, block_tables + seq * stride_bt, head * stride_kh,
+            head * stride_sh, stride_kb, stride_ks, stride_sb, stride_ss, scale,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, QUANTIZED,
         )  # fmt: skip
         out = acc / running_sum[:, None]
         out_ptr = Out + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -161,11 +184,11 @@ def _paged_attention(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_split(
-    Q, K, V, PartMax, PartSum, PartAcc, query_start, context_lens, block_tables,
+    Q, K, V, KS, VS, PartMax, PartSum, PartAcc, query_start, context_lens, block_tables,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-    scale,
+    stride_sb, stride_ss, stride_sh, scale,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     """A decode row's attention over one partition of its keys: grid (sequence, head, partition). Writes the
     partition's max, sum and unnormalised output to [S, H, P] and [S, H, P, D] scratch."""
@@ -183,8 +206,9 @@ def _paged_attention_split(
     q = tl.load(q_ptr, mask=real[:, None], other=0.0)  # [BM, D]
     last_key = tl.full([BLOCK_M], 0, tl.int64) + key_end - 1  # [BM] the query sees every key of its range
     running_max, running_sum, acc = _attend_keys(
-        q, last_key, key_start, key_end, K, V, block_tables + seq * stride_bt, head * stride_kh, stride_kb,
-        stride_ks, scale, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION,
+        q, last_key, key_start, key_end, K, V, KS, VS, block_tables + seq * stride_bt, head * stride_kh,
+        head * stride_sh, stride_kb, stride_ks, stride_sb, stride_ss, scale,
+        BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, PRECISION, QUANTIZED,
     )  # fmt: skip
     at = (seq * tl.num_programs(1) + head) * num_parts + part + rows  # [BM] only row 0 is stored
     tl.store(PartMax + at, running_max, mask=real)
@@ -228,51 +252,57 @@ class TritonAttention:
         T, H, D = q.shape
         k_cache, v_cache = cache.k, cache.v
         assert k_cache.stride(3) == 1 and q.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+        assert not cache.quantized or cache.k_scale.stride() == cache.v_scale.stride()
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)  # [T, H, D]
         num_seqs, max_keys = self.paged.context_lens.shape[0], self.block_tables.shape[1] * k_cache.shape[1]
         parts = partitions(num_seqs, H, max_keys, q.device, self.config) if self.paged.max_query_len == 1 else 1
         if parts > 1:
-            self._attend_split(q, k_cache, v_cache, out, parts)
+            self._attend_split(q, cache, out, parts)
         else:
-            self._attend_tiles(q, k_cache, v_cache, out)
+            self._attend_tiles(q, cache, out)
         return out.view(T, H * D)  # [T, C]
 
-    def _launch_args(self, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[dict, dict]:
-        """What both attention kernels take: strides after the outputs', and the constexprs."""
+    def _launch_args(self, q: torch.Tensor, cache: LayerKV) -> tuple[dict, dict]:
+        """What both attention kernels take: strides after the outputs', and the constexprs. Not quantized, the
+        scales' pointers are None and their strides 0: a variant that reads none."""
+        k_cache = cache.k
         _, block_size, _, _ = k_cache.shape
         config, tables = self.config, self.block_tables
+        scale_strides = cache.k_scale.stride() if cache.quantized else (0, 0, 0)  # [NB, bs, H]
         strides = dict(
             stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
-            stride_bt=tables.stride(0), scale=q.shape[2] ** -0.5,
+            stride_bt=tables.stride(0), **dict(zip(("stride_sb", "stride_ss", "stride_sh"), scale_strides)),
+            scale=q.shape[2] ** -0.5,
         )  # fmt: skip
         constants = dict(
             BLOCK_SIZE=block_size, HEAD_DIM=q.shape[2], BLOCK_N=config.block_n,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=cache.quantized,
+            num_warps=config.num_warps,
         )  # fmt: skip
         return strides, constants
 
-    def _attend_tiles(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+    def _attend_tiles(self, q: torch.Tensor, cache: LayerKV, out: torch.Tensor) -> None:
         paged, config = self.paged, self.config
         block_m = config.decode_block_m if paged.max_query_len == 1 else config.chunk_block_m
         grid = (paged.context_lens.shape[0], q.shape[1], triton.cdiv(paged.max_query_len, block_m))
-        strides, constants = self._launch_args(q, k_cache)
+        strides, constants = self._launch_args(q, cache)
         _paged_attention[grid](
-            q, k_cache, v_cache, out, paged.query_start, paged.context_lens, self.block_tables,
-            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-            **strides, BLOCK_M=block_m, **constants,
+            q, cache.k, cache.v, cache.k_scale, cache.v_scale, out, paged.query_start, paged.context_lens,
+            self.block_tables, stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0),
+            stride_oh=out.stride(1), **strides, BLOCK_M=block_m, **constants,
         )  # fmt: skip
 
-    def _attend_split(self, q, k_cache, v_cache, out: torch.Tensor, parts: int) -> None:
+    def _attend_split(self, q: torch.Tensor, cache: LayerKV, out: torch.Tensor, parts: int) -> None:
         """Flash-decoding: each (sequence, head)'s keys in `parts` partitions, then their partials combined."""
         paged, config = self.paged, self.config
         S, H, D = paged.context_lens.shape[0], q.shape[1], q.shape[2]
         part_max = torch.empty((S, H, parts), dtype=torch.float32, device=q.device)  # [S, H, P]
         part_sum = torch.empty_like(part_max)  # [S, H, P]
         part_acc = torch.empty((S, H, parts, D), dtype=torch.float32, device=q.device)  # [S, H, P, D]
-        strides, constants = self._launch_args(q, k_cache)
+        strides, constants = self._launch_args(q, cache)
         _paged_attention_split[(S, H, parts)](
-            q, k_cache, v_cache, part_max, part_sum, part_acc, paged.query_start, paged.context_lens,
-            self.block_tables, stride_qt=q.stride(0), stride_qh=q.stride(1),
+            q, cache.k, cache.v, cache.k_scale, cache.v_scale, part_max, part_sum, part_acc, paged.query_start,
+            paged.context_lens, self.block_tables, stride_qt=q.stride(0), stride_qh=q.stride(1),
             **strides, BLOCK_M=config.decode_block_m, **constants,
         )  # fmt: skip
         _combine_partitions[(S, H)](
