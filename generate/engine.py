@@ -72,14 +72,14 @@ class Engine:
         max_running = settings.max_running(runner.on_gpu, runner.max_context)
         self.scheduler = Scheduler(
             self.blocks,
-            max_running,
-            self.max_batch_tokens,
-            settings.chunked_prefill,
-            settings.priority_aging_s,
-            settings.priority_prefill_first,
-            settings.fair_share,
-            FairShare(settings.fair_share_input_weight, settings.fair_share_output_weight),
-            settings.max_loras,
+            max_num_seqs=max_running,
+            max_num_batched_tokens=self.max_batch_tokens,
+            chunked_prefill=settings.chunked_prefill,
+            priority_aging_s=settings.priority_aging_s,
+            priority_prefill_first=settings.priority_prefill_first,
+            fair_order=settings.fair_share,
+            fair=FairShare(settings.fair_share_input_weight, settings.fair_share_output_weight),
+            max_loras=settings.max_loras,
         )
         config = runner.model.config if isinstance(runner, ModelRunner) else None
         self.loras = LoraRegistry(config, settings)  # adapters by name; a simulated engine serves none

@@ -37,12 +37,22 @@ head itself is admitted and everything is as without fair share.
 LoRA adapters: no more than MAX_LORAS distinct adapters run at once (the device has that many
 slots, and every running sequence may be in one step), so a waiting sequence whose adapter would be
 one too many waits, blocking those behind it, until a running adapter's sequences are all done.
+
+`Scheduler.schedule` is one pass, in this order: room in the cache for the running sequences'
+next tokens (preempting from the tail); forks settled with their leaders; the running sequences'
+decodes and prompt chunks; admission from the queue, preempting less urgent running sequences for
+a more urgent candidate. What the step has left to hand out (tokens, seats, blocks) is a
+`StepBudget`. Words: `blocks` is the BlockManager, `num_blocks` a count of blocks; `leader` and
+`fork` are sequences sharing prompt blocks; `fair` is the tenants' counters (FairShare) and
+`fair_order` the FAIR_SHARE switch.
 """
 
 import bisect
 import itertools
 import time
 from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass
 
 from generate.fair_share import FairShare
 from generate.priority import Rank
@@ -50,16 +60,58 @@ from generate.sequence import Sequence, Status
 from kvcache.block_manager import BlockManager, KVCacheExhausted
 
 
+@dataclass
+class StepBudget:
+    """What one step has left to hand out while it is scheduled (mini-sglang's PrefillAdder): tokens to
+    compute, seats beside the running sequences, and free blocks beyond a few kept back (the watermark)
+    while anything runs, so that the running sequences' next decodes do not at once preempt a newcomer.
+
+    With PRIORITY_PREFILL_FIRST it hands prompt tokens to the most urgent prompts only: the prompt
+    chunks of less urgent sequences wait a step, so the urgent prompt's step is short."""
+
+    tokens: int  # MAX_BATCH_TOKENS less the tokens scheduled so far
+    running: list[Sequence]  # the scheduler's running sequences, a seat each (read live)
+    max_running: int
+    blocks: BlockManager  # its free blocks are read live: admissions take some, preemptions give some back
+    watermark: int
+    prefill_first: bool = False  # PRIORITY_PREFILL_FIRST
+    prefilling: int | None = None  # the most urgent priority with a prompt chunk in this step
+
+    def fits(self, num_blocks: int, freeing: Collection[Sequence] = ()) -> bool:
+        """Whether a candidate needing `num_blocks` free blocks has a seat and its blocks, once the running
+        sequences `freeing` were preempted (their whole tables counted, some of which may be shared: a bound,
+        not a promise)."""
+        running = len(self.running) - len(freeing)
+        reserve = self.watermark if running else 0
+        held = sum(len(s.block_table) for s in freeing)
+        return running < self.max_running and num_blocks + reserve <= self.blocks.num_free_blocks + held
+
+    def held_back(self, seq: Sequence) -> bool:
+        """A prompt chunk that waits this step for a more urgent prompt's (PRIORITY_PREFILL_FIRST)."""
+        more_urgent = self.prefilling is not None and seq.priority > self.prefilling
+        return self.prefill_first and seq.num_new_tokens > 1 and more_urgent
+
+    def take(self, seq: Sequence) -> Sequence:
+        """Schedule as much of `seq`'s new tokens as the budget has (there are some left)."""
+        assert self.tokens > 0 and seq.num_new_tokens > 0
+        seq.num_scheduled_tokens = min(seq.num_new_tokens, self.tokens)
+        self.tokens -= seq.num_scheduled_tokens
+        if seq.num_new_tokens > 1:  # a prompt chunk
+            self.prefilling = seq.priority if self.prefilling is None else min(self.prefilling, seq.priority)
+        return seq
+
+
 class Scheduler:
     def __init__(
         self,
         blocks: BlockManager,
+        *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         chunked_prefill: bool,
         priority_aging_s: float = 0.0,
         priority_prefill_first: bool = False,
-        fair_share: bool = False,
+        fair_order: bool = False,
         fair: FairShare | None = None,
         max_loras: int = 0,
     ):
@@ -71,10 +123,9 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.priority_aging_s = priority_aging_s
         self.priority_prefill_first = priority_prefill_first
-        self.fair_share = fair_share  # the order of admission and chunks follows the tenants' service
+        self.fair_order = fair_order  # FAIR_SHARE: admission and prompt chunks follow the tenants' service
         self.fair = fair or FairShare()  # the tenants' counters, kept either way (for /stats and /metrics)
         self.max_loras = max_loras  # distinct LoRA adapters running at once; 0: no limit
-        self._prefilling: int | None = None  # the most urgent priority with a prompt chunk in this step
         # Keep a few blocks back when admitting beside running sequences, so that their
         # next decode steps do not immediately preempt the newcomer.
         self.watermark = blocks.num_blocks // 100
@@ -104,27 +155,70 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         """Reserve cache slots for the next step; the sequences to run, each with its num_scheduled_tokens set."""
+        # Room for every running sequence's next token, most urgent first. When the pool runs out, the least
+        # urgent gives its blocks back to be recomputed later (it may be the one asking): nobody is admitted.
         for seq in self.running:
             seq.num_scheduled_tokens = 0
-        preempted = self._reserve_slots()
-        budget = self.max_num_batched_tokens
+        by_rank, preempted, i = sorted(self.running, key=self.rank), False, 0
+        while i < len(by_rank):
+            try:
+                self.blocks.append_slot(by_rank[i])
+                i += 1
+            except KVCacheExhausted:
+                self._preempt(by_rank.pop())
+                preempted = True
+        # Forks and leaders: a running fork whose leader has computed the blocks they share goes on alone (one
+        # that keeps its leader waits for it); a waiting fork whose leader has left the scheduler (ended,
+        # aborted) will compute its prompt itself.
+        for seq in self.running:
+            if seq.fork_of is not None and self._leader_done(seq):
+                seq.leave_leader()
+        for seq in self.waiting:
+            if seq.fork_of is not None and seq.fork_of.seq_id not in self._ranks:
+                seq.fork_of = None
+
+        budget = StepBudget(self.max_num_batched_tokens, self.running, self.max_num_seqs, self.blocks, self.watermark)
+        # A more urgent request at the head of the queue counts as prefilling: less urgent prompts leave it
+        # the budget (with PRIORITY_PREFILL_FIRST), or it could wait for their whole prompts.
+        budget.prefill_first = self.priority_prefill_first
+        budget.prefilling = self.waiting[0].priority if self.waiting else None
         scheduled = []
-        # A more urgent request at the head of the queue counts as prefilling: less urgent prompts
-        # leave it the budget (with PRIORITY_PREFILL_FIRST), or it could wait for their whole prompts.
-        self._prefilling = self.waiting[0].priority if self.waiting else None
-        # decodes first (at most one token each, and running <= budget), then prompt chunks, most urgent first
+        # The running: decodes first (one token each, and running <= budget), then prompt chunks, most urgent first.
         for seq in sorted(self.running, key=self._chunk_order):
-            if self._waits_for_leader(seq) or self._held_back(seq):
-                continue
-            chunk = min(seq.num_new_tokens, budget)
-            if chunk == 0:
+            if budget.tokens == 0:
                 break
-            self._note_prefill(seq)
-            seq.num_scheduled_tokens = chunk
-            budget -= chunk
-            scheduled.append(seq)
-        if not preempted:
-            self._admit(scheduled, budget)
+            if seq.fork_of is None and not budget.held_back(seq):
+                scheduled.append(budget.take(seq))
+
+        # Admission: the candidate (the head of the queue, or with fair share the least-served tenant's first
+        # at the head's priority) while seats, blocks and tokens last; nobody overtakes it.
+        while self.waiting and not preempted:
+            seq = self._candidate()
+            leader = seq.fork_of
+            assert leader is None or leader.status is Status.RUNNING, "a fork ranks after its leader"
+            if not self._adapter_fits(seq) or (leader is None and budget.tokens == 0):
+                break  # one adapter too many, or no tokens (a fork takes none until its leader computed them)
+            num_blocks, num_tokens = self.blocks.fork_cost(seq) if leader else self.blocks.admission_cost(seq)
+            if num_tokens > budget.tokens and not self.chunked_prefill:
+                break  # the whole prompt in one step, or wait
+            # Short of a seat or blocks, it takes them from running sequences that rank below it, the least
+            # urgent first, while preempting all of those could make room.
+            while not budget.fits(num_blocks) and budget.fits(num_blocks, freeing=(below := self._below(seq))):
+                victim = max(below, key=self.rank)
+                assert self.rank(victim) > self.rank(seq)
+                budget.tokens += victim.num_scheduled_tokens
+                if victim in scheduled:
+                    scheduled.remove(victim)
+                self._preempt(victim)
+                self.num_priority_preemptions += 1
+            if not budget.fits(num_blocks):
+                break
+            self.waiting.remove(seq)
+            self._admit(seq, leader)
+            if leader is not None and self._leader_done(seq):
+                seq.leave_leader()
+            if seq.fork_of is None and not budget.held_back(seq) and budget.tokens > 0:
+                scheduled.append(budget.take(seq))
         self._charge(scheduled)
         return scheduled
 
@@ -136,8 +230,10 @@ class Scheduler:
         no fork waiting), nobody waiting can be admitted or preempt one of them, and the pool has the slots
         without preempting (else the engine reads the tokens first and schedules the step itself).
         """
-        if len(seqs) != len(self.running) or self._may_admit():
+        if len(seqs) != len(self.running):
             return False
+        if self.waiting and (len(self.running) < self.max_num_seqs or self._below(self._candidate())):
+            return False  # the queue's next sequence has a seat, or outranks a running one it could preempt
         try:
             for seq in seqs:
                 self.blocks.append_slot(seq, ahead=1)
@@ -146,13 +242,6 @@ class Scheduler:
         self._charge(seqs)
         return True
 
-    def _may_admit(self) -> bool:
-        """Whether the queue's next sequence could run in the next step: a seat is free, or it outranks a
-        running sequence it could preempt."""
-        if not self.waiting:
-            return False
-        return len(self.running) < self.max_num_seqs or bool(self._below(self._candidate()))
-
     def _charge(self, scheduled: list[Sequence]) -> None:
         for tenant, tokens in Counter(s.tenant for s in scheduled if s.samples_this_step).items():
             self.fair.charge(tenant, generated_tokens=tokens)  # once a tenant, not once a sequence
@@ -160,7 +249,7 @@ class Scheduler:
     def _chunk_order(self, seq: Sequence) -> tuple:
         """Decodes first (all of them fit the budget), then prompt chunks in rank order, or with fair share
         by priority, then the least-served tenant."""
-        if seq.num_new_tokens > 1 and self._sharing:
+        if seq.num_new_tokens > 1 and self._fair_now:
             return (True, seq.priority, self.fair.service(seq.tenant), self.rank(seq))
         return (seq.num_new_tokens > 1, self.rank(seq))
 
@@ -168,53 +257,17 @@ class Scheduler:
         """The waiting sequence admitted next: the head, or with fair share the least-served tenant's first
         at the head's priority."""
         head = self.waiting[0]
-        return self.fair.pick(self.waiting, head.priority) if self._sharing else head
+        return self.fair.pick(self.waiting, head.priority) if self._fair_now else head
 
     @property
-    def _sharing(self) -> bool:
-        """Fair share is on and has tenants to share between."""
-        return self.fair_share and len(self.fair.active) > 1
+    def _fair_now(self) -> bool:
+        """Fair share orders this step: FAIR_SHARE is on and more than one tenant has sequences."""
+        return self.fair_order and len(self.fair.active) > 1
 
-    def _reserve_slots(self) -> bool:
-        """Give every running sequence room for its tokens, most urgent first, preempting the least urgent
-        when blocks run out."""
-        by_rank = sorted(self.running, key=self.rank)
-        preempted, i = False, 0
-        while i < len(by_rank):
-            try:
-                self.blocks.append_slot(by_rank[i])
-            except KVCacheExhausted:
-                self._preempt(by_rank.pop())  # the least urgent; may be by_rank[i] itself
-                preempted = True
-                continue
-            i += 1
-        return preempted
-
-    def _admit(self, scheduled: list[Sequence], budget: int) -> None:
-        """Admit waiting sequences in rank order while seats, blocks and budget last, preempting less urgent
-        running ones for them; those that compute now join `scheduled` (where a preempted one leaves it)."""
-        while self.waiting:
-            seq = self._candidate()
-            if not self._adapter_fits(seq):
-                break
-            leader = self._running_leader(seq)
-            if leader is None and budget == 0:
-                break  # a fork needs no budget until its leader has computed what they share
-            blocks, tokens = self.blocks.fork_cost(seq) if leader else self.blocks.admission_cost(seq)
-            if tokens > budget and not self.chunked_prefill:
-                break  # strictly in rank order: nobody overtakes the head
-            while not self._fits(blocks) and self._can_make_room(seq, blocks):
-                budget += self._preempt_for(seq, scheduled)
-            if not self._fits(blocks):
-                break
-            self.waiting.remove(seq)
-            self._start(seq, leader)
-            if not self._waits_for_leader(seq) and not self._held_back(seq):
-                seq.num_scheduled_tokens = min(seq.num_new_tokens, budget)
-                budget -= seq.num_scheduled_tokens
-                if seq.num_scheduled_tokens:
-                    self._note_prefill(seq)
-                    scheduled.append(seq)
+    def _below(self, seq: Sequence) -> list[Sequence]:
+        """The running sequences `seq` may preempt: those ranking below it (with fair share, of another priority)."""
+        below = [s for s in self.running if self.rank(s) > self.rank(seq)]
+        return [s for s in below if s.priority != seq.priority] if self._fair_now else below
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Whether `seq`'s adapter is running already or one more adapter may run (MAX_LORAS)."""
@@ -223,46 +276,12 @@ class Scheduler:
         running = {s.lora_id for s in self.running} - {0}
         return seq.lora_id in running or len(running) < self.max_loras
 
-    def _held_back(self, seq: Sequence) -> bool:
-        """A prompt chunk that waits this step for a more urgent prompt's (PRIORITY_PREFILL_FIRST)."""
-        more_urgent = self._prefilling is not None and seq.priority > self._prefilling
-        return self.priority_prefill_first and seq.num_new_tokens > 1 and more_urgent
+    @staticmethod
+    def _leader_done(fork: Sequence) -> bool:
+        """Whether `fork`'s leader has computed the prompt blocks they share (then the fork goes on alone)."""
+        return fork.fork_of.num_computed_tokens >= fork.num_cached_tokens
 
-    def _note_prefill(self, seq: Sequence) -> None:
-        if seq.num_new_tokens > 1:
-            self._prefilling = seq.priority if self._prefilling is None else min(self._prefilling, seq.priority)
-
-    def _fits(self, blocks: int) -> bool:
-        """A seat, and `blocks` free blocks beyond a few kept back for the running sequences' next decodes."""
-        reserve = self.watermark if self.running else 0
-        return len(self.running) < self.max_num_seqs and blocks + reserve <= self.blocks.num_free_blocks
-
-    def _can_make_room(self, seq: Sequence, blocks: int) -> bool:
-        """Whether preempting every running sequence that ranks below `seq` would give it a seat and its
-        blocks (counting their whole tables, some of which may be shared: a bound, not a promise)."""
-        below = self._below(seq)
-        seats = self.max_num_seqs - len(self.running) + len(below)
-        held = sum(len(s.block_table) for s in below)
-        reserve = self.watermark if len(self.running) > len(below) else 0
-        return bool(below) and seats > 0 and blocks + reserve <= self.blocks.num_free_blocks + held
-
-    def _below(self, seq: Sequence) -> list[Sequence]:
-        """The running sequences `seq` may preempt: those ranking below it (with fair share, of another priority)."""
-        below = [s for s in self.running if self.rank(s) > self.rank(seq)]
-        return [s for s in below if s.priority != seq.priority] if self._sharing else below
-
-    def _preempt_for(self, seq: Sequence, scheduled: list[Sequence]) -> int:
-        """Preempt the least urgent running sequence for the more urgent `seq`; the budget it gave back."""
-        victim = max(self._below(seq), key=self.rank)
-        assert self.rank(victim) > self.rank(seq)
-        tokens = victim.num_scheduled_tokens
-        if victim in scheduled:
-            scheduled.remove(victim)
-        self._preempt(victim)
-        self.num_priority_preemptions += 1
-        return tokens
-
-    def _start(self, seq: Sequence, leader: Sequence | None) -> None:
+    def _admit(self, seq: Sequence, leader: Sequence | None) -> None:
         """Give a waiting sequence its blocks (shared with its leader, or from the prefix cache) and a seat."""
         if leader:
             self.blocks.fork(seq, leader)
@@ -276,23 +295,6 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.status = Status.RUNNING
         self.running.append(seq)
-
-    @staticmethod
-    def _running_leader(seq: Sequence) -> Sequence | None:
-        """The running sequence whose prompt blocks `seq` can share; None (and `seq` on its own) if none."""
-        if seq.fork_of is not None and seq.fork_of.status is not Status.RUNNING:
-            seq.fork_of = None  # its leader has gone: it computes its prompt itself
-        return seq.fork_of
-
-    @staticmethod
-    def _waits_for_leader(seq: Sequence) -> bool:
-        """Whether `seq` still waits for its leader to compute the blocks they share (then it leaves it)."""
-        if seq.fork_of is None:
-            return False
-        if seq.fork_of.num_computed_tokens < seq.num_cached_tokens:
-            return True
-        seq.leave_leader()
-        return False
 
     def _preempt(self, seq: Sequence) -> None:
         self._requeue(seq)
@@ -318,6 +320,10 @@ class Scheduler:
         if self._ranks.pop(seq.seq_id, None) is not None:
             self.fair.leave(seq.tenant)
         seq.status = Status.FINISHED
-        # Forks still waiting for this sequence's prompt (it was aborted part-way) compute their own.
-        for fork in [s for s in self.running if s.fork_of is seq and self._waits_for_leader(s)]:
-            self._requeue(fork)
+        # Its running forks go on alone if it computed the blocks they share; if not (it was aborted
+        # part-way), they compute their prompts themselves.
+        for fork in [s for s in self.running if s.fork_of is seq]:
+            if self._leader_done(fork):
+                fork.leave_leader()
+            else:
+                self._requeue(fork)
