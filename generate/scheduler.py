@@ -211,6 +211,8 @@ class Scheduler:
                     scheduled.remove(victim)
                 self._preempt(victim)
                 self.num_priority_preemptions += 1
+                if not leader:  # the victim's blocks that hold the candidate's cached prefix are free now: they count
+                    num_blocks = self.blocks.admission_cost(seq)[0]
             if not budget.fits(num_blocks):
                 break
             self.waiting.remove(seq)

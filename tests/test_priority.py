@@ -142,3 +142,27 @@ def test_less_urgent_prompt_chunks_wait_while_an_urgent_prompt_prefills(tiny_che
     drain(engine)
     for seq, prompt in [(decoding, decoding_prompt), (batch, long_prompt), (urgent, urgent_prompt)]:
         assert seq.completion_ids == hf_greedy(prompt, seq.params.max_tokens)
+
+
+def test_an_urgent_request_whose_cached_prefix_its_victim_holds_is_admitted_at_its_true_cost(
+    tiny_checkpoint, hf_greedy
+):
+    """Preempting the sequence that holds the candidate's cached prefix puts those blocks back in the free queue,
+    where admitting the candidate takes them as well: its cost is counted again after each preemption (counted
+    once before, the admission ran out of blocks inside the step)."""
+    engine = make_engine(tiny_checkpoint, block_size=2, num_blocks=10, max_batch_size=2, max_batch_tokens=64)
+    held = [8, 7, 6, 5, 4, 3, 2, 1]
+    batch = [greedy(4, 1, [1, 2, 3, 4, 5]), greedy(4, 1, held)]
+    for seq in batch:
+        engine.add(seq)
+    step_checked(engine)
+    urgent = greedy(2, 0, held + [9] * 8)  # its first 8 tokens are the running `held`'s cached blocks
+    assert engine.blocks.admission_cost(urgent)[1] < len(urgent.token_ids)
+    engine.add(urgent)
+    step_checked(engine)
+    assert urgent in engine.scheduler.running and engine.scheduler.num_priority_preemptions == 2
+    drain(engine)
+    seqs = [*batch, urgent]
+    assert [s.completion_ids for s in seqs] == [
+        hf_greedy(s.token_ids[: s.num_prompt_tokens], 4 if s.priority else 2) for s in seqs
+    ]
