@@ -1,13 +1,13 @@
 """GET /stats (JSON) and GET /metrics (Prometheus): two renderings of the live table. The per-tenant figures
 and the adapters of running and waiting requests are the operator's to see; a tenant's key sees its own
 figures (api/tenants.py), the rest of the server's as anyone does. Both are computed where the engine runs
-(batching/reports.py)."""
+(batching/telemetry/reports.py)."""
 
 from flask import Blueprint, Response, jsonify
 
 from api import tenants
 from api.errors import ApiError
-from api.sampling import server
+from api.generation import server
 from batching.manager import NotServing
 
 routes = Blueprint("stats", __name__)

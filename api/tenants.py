@@ -38,7 +38,7 @@ from flask import g, request
 
 from api.errors import ApiError, bad
 from api.protocol import PRIORITY_LIMIT
-from batching.tenant_stats import TenantView
+from batching.telemetry.tenant_stats import TenantView
 from config import Settings
 from generate.fair_share import SHARED
 

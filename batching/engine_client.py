@@ -200,7 +200,8 @@ class EngineClient:
             self._send(wire.Cancel(rid, indices))
 
     def report(self, name: str, *args):
-        """/stats, /metrics or /stats/timeline's body, computed by the engine's process (batching/reports.py)."""
+        """/stats, /metrics or /stats/timeline's body, computed by the engine's process
+        (batching/telemetry/reports.py)."""
         return self.call(name, *args)
 
     def call(self, name: str, *args):

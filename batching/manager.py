@@ -12,7 +12,7 @@ inferences enter the engine together, leader first, so forks can share its promp
 Priorities: dynamic mode hands them to the scheduler, which admits and preempts by them; nobatch
 and static take the most urgent requests first (the same rank, generate/priority.py) but never
 stop a running batch for one.
-What the loop measures goes beside it, to its observer (batching/observer.py): one call per step,
+What the loop measures goes beside it, to its observer (batching/telemetry/observer.py): one call per step,
 one per answer.
 The loop's thread also builds the engine: every torch op of the engine (load, warm-up, steps) runs on
 that one thread. On a CPU each thread that starts a parallel region gets an OpenMP team of its own, and
@@ -29,11 +29,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from itertools import accumulate
 
-from batching.admission import Admission, Refused
+from batching.admission import Admission
 from batching.inference import Delta, Inference
-from batching.observer import LoopObserver, StepNews
-from batching.reports import REPORTS
-from batching.step_summary import StepSummary
+from batching.telemetry.observer import LoopObserver, StepNews
+from batching.telemetry.reports import REPORTS
+from batching.telemetry.step_summary import StepSummary
 from config import Settings
 from generate.engine import Engine
 from generate.priority import Rank
@@ -41,9 +41,6 @@ from generate.sequence import Status
 from generate.step_log import StepRecord
 
 log = logging.getLogger(__name__)
-
-
-QueueFull = Refused  # more requests waiting than MAX_WAITING allows, or another reason (batching/admission.py)
 
 
 class NotServing(Exception):
@@ -168,7 +165,8 @@ class BatchingManager:
         return self.observer.step_summary()
 
     def report(self, name: str, *args):
-        """/stats, /metrics or /stats/timeline's body (batching/reports.py), as the engine's process answers a Call."""
+        """/stats, /metrics or /stats/timeline's body (batching/telemetry/reports.py), as the engine's process
+        answers a Call."""
         return REPORTS[name](self, *args)
 
     # --- the loop thread --------------------------------------------------------------
@@ -285,7 +283,7 @@ class BatchingManager:
         news = StepNews(self.engine.step_log.last, began, active=self._active.values(), queued=self._num_incoming)
         for seq, token in results:
             self._deliver(self._active[seq.seq_id], token, seq.status is Status.FINISHED, news)
-        self.observer.on_step(news)  # all the step measured, in one call (batching/observer.py)
+        self.observer.on_step(news)  # all the step measured, in one call (batching/telemetry/observer.py)
         for inference in news.finished:
             del self._active[inference.seq.seq_id]
             self._release(inference)

@@ -52,7 +52,7 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True):
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
-    """A report the engine's process computes (batching/reports.py), or a LoRA adapter to load or unload
+    """A report the engine's process computes (batching/telemetry/reports.py), or a LoRA adapter to load or unload
     ("load_lora", "unload_lora"), answered by a Reply with the same id."""
 
     cid: int

@@ -8,8 +8,8 @@ import requests
 from conftest import sim_settings, wait_until
 from test_cluster import haproxy_view, needs_haproxy, poll, start_replicas
 
-from batching import heartbeat
-from batching.heartbeat import Heartbeat
+from batching.telemetry import heartbeat
+from batching.telemetry.heartbeat import Heartbeat
 from client.launch import start_cluster, stop_server
 
 

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching.events import PHASE_AFTER, EventLog
-from batching.live import LIVE_VALUES
-from batching.step_summary import summarize
-from batching.window import StepTokens, Window
+from batching.telemetry.events import PHASE_AFTER, EventLog
+from batching.telemetry.live import LIVE_VALUES
+from batching.telemetry.step_summary import summarize
+from batching.telemetry.window import StepTokens, Window
 from generate.step_log import STAGES, StepRecord
 from model.tokenizer import load_tokenizer
 

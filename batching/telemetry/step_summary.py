@@ -4,7 +4,7 @@ step-time distribution, and where a step's time goes (stage means), so the next 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from batching.stats import summary
+from batching.telemetry.stats import summary
 from generate.step_log import STAGES, StepRecord
 
 

@@ -12,7 +12,7 @@ only counts.
 import time
 from typing import TYPE_CHECKING
 
-from batching.tenant_stats import EVERY_TENANT, TenantView, only_shown
+from batching.telemetry.tenant_stats import EVERY_TENANT, TenantView
 from generate.engine import device_and_dtype
 
 if TYPE_CHECKING:
@@ -27,11 +27,10 @@ def timeline(
     steps = [r for r in kept_steps if r.index > since]
     newer = [e for e in kept_events if e.index > events_since]  # the cursor moves past others' events too
     events = [e for e in newer if view.shows(e.tenant)]
-    ledger = manager.engine.scheduler.fair.ledger
     return {
         "now": now,
         "server": server_info(manager),
-        "live": only_shown(manager.live.values(), view, ledger),
+        "live": manager.live.values(view),
         "window": manager.live.window_figures(),
         "steps": [r.as_dict() for r in steps],
         "events": [e.as_dict() for e in events],

@@ -5,45 +5,45 @@ Three kinds of value, one table:
   rows (LIVE_VALUES)  a figure read when asked: queues, KV blocks and engine counters, and the
                       since-start counts of Stats; each has a /stats key, a Prometheus name and,
                       where vLLM has one, vLLM's name. A new counter is one more row: keep the
-                      count where it is counted and give the row a reader (labelled counters
-                      read a {label value: count} dict).
+                      count where it is counted; an engine counter is one more field of
+                      EngineCounters (generate/engine_counters.py) under the row's key, anything
+                      else a reader (labelled counters read a {label value: count} dict).
   histograms          request latencies and lengths (histograms.py), observed as tokens arrive
                       and requests end.
   the window          latency and throughput over the last TIMELINE_WINDOW_S seconds (window.py).
-This module imports nothing above it: the manager hands it the engine and a reader of its queue.
+A reading takes one snapshot of the engine's counters, so its rows agree with each other. This module
+imports nothing above it: the observer hands it a reader of the engine's counters and of its queue.
 """
 
 import threading
 import time
 from collections.abc import Callable
 
-from batching.histograms import HISTOGRAMS, SECONDS, Histogram, token_buckets
 from batching.inference import Inference
-from batching.live_value import LiveValue, Reading
-from batching.stats import Stats, outcome
-from batching.tenant_stats import TENANT_VALUES
-from batching.window import StepTokens, Window
-from generate.engine import Engine
+from batching.telemetry.histograms import HISTOGRAMS, SECONDS, Histogram, token_buckets
+from batching.telemetry.live_value import LiveValue, Reading
+from batching.telemetry.stats import Stats, outcome
+from batching.telemetry.tenant_stats import EVERY_TENANT, TENANT_VALUES, TenantView, only_shown
+from batching.telemetry.window import StepTokens, Window
+from generate.engine_counters import EngineCounters
 
 
-def _hit_rate(live: "LiveTable") -> float:
-    scheduler = live.engine.scheduler
-    admitted = scheduler.prompt_tokens_admitted
-    return scheduler.prompt_tokens_cached / admitted if admitted else 0.0
+def _hit_rate(_: "LiveTable", engine: EngineCounters) -> float:
+    admitted = engine.prefix_cache_query_tokens
+    return engine.prefix_cache_hit_tokens / admitted if admitted else 0.0
 
 
-def _usage(live: "LiveTable") -> float:
-    blocks = live.engine.blocks
-    return blocks.num_used_blocks / blocks.num_blocks
+def _usage(_: "LiveTable", engine: EngineCounters) -> float:
+    return engine.kv_blocks_used / engine.kv_blocks_total
 
 
+# Rows without a reader show the engine's counter named by their key.
 LIVE_VALUES = (
     LiveValue(
         "requests_running",
         "gpt2_requests_running",
         "gauge",
         "Sequences in the running batch",
-        lambda t: len(t.engine.scheduler.running),
         vllm=("vllm:num_requests_running",),
     ),
     LiveValue(
@@ -51,23 +51,11 @@ LIVE_VALUES = (
         "gpt2_requests_waiting",
         "gauge",
         "Requests waiting to be admitted",
-        lambda t: t.num_waiting(),
+        lambda t, _: t.num_waiting(),
         vllm=("vllm:num_requests_waiting",),
     ),
-    LiveValue(
-        "kv_blocks_used",
-        "gpt2_kv_blocks_used",
-        "gauge",
-        "KV blocks referenced by sequences",
-        lambda t: t.engine.blocks.num_used_blocks,
-    ),
-    LiveValue(
-        "kv_blocks_total",
-        "gpt2_kv_blocks_total",
-        "gauge",
-        "KV blocks in the pool",
-        lambda t: t.engine.blocks.num_blocks,
-    ),
+    LiveValue("kv_blocks_used", "gpt2_kv_blocks_used", "gauge", "KV blocks referenced by sequences"),
+    LiveValue("kv_blocks_total", "gpt2_kv_blocks_total", "gauge", "KV blocks in the pool"),
     LiveValue(
         "kv_cache_usage",
         "gpt2_kv_cache_usage",
@@ -76,26 +64,15 @@ LIVE_VALUES = (
         _usage,
         vllm=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     ),
-    LiveValue(
-        "kv_blocks_cached",
-        "gpt2_kv_blocks_cached",
-        "gauge",
-        "KV blocks held by the prefix cache",
-        lambda t: t.engine.blocks.num_cached_blocks,
-    ),
+    LiveValue("kv_blocks_cached", "gpt2_kv_blocks_cached", "gauge", "KV blocks held by the prefix cache"),
     LiveValue(
         "kv_blocks_evictable",
         "gpt2_kv_blocks_evictable",
         "gauge",
         "Cached KV blocks no sequence references (reused if their prefix comes back, else evicted)",
-        lambda t: t.engine.blocks.num_evictable_blocks,
     ),
     LiveValue(
-        "kv_blocks_free",
-        "gpt2_kv_blocks_free",
-        "gauge",
-        "KV blocks that can be handed out (evictable included)",
-        lambda t: t.engine.blocks.num_free_blocks,
+        "kv_blocks_free", "gpt2_kv_blocks_free", "gauge", "KV blocks that can be handed out (evictable included)"
     ),
     LiveValue(
         "prefix_cache_hit_rate", None, "gauge", "Share of admitted prompt tokens found in the prefix cache", _hit_rate
@@ -105,7 +82,6 @@ LIVE_VALUES = (
         "gpt2_prefix_cache_hit_tokens",
         "counter",
         "Prompt tokens found in the prefix cache",
-        lambda t: t.engine.scheduler.prompt_tokens_cached,
         vllm=("vllm:prefix_cache_hits",),
     ),
     LiveValue(
@@ -113,27 +89,23 @@ LIVE_VALUES = (
         "gpt2_prefix_cache_query_tokens",
         "counter",
         "Prompt tokens admitted",
-        lambda t: t.engine.scheduler.prompt_tokens_admitted,
         vllm=("vllm:prefix_cache_queries",),
     ),
-    LiveValue(
-        "evictions", "gpt2_kv_evictions", "counter", "Cached KV blocks evicted", lambda t: t.engine.blocks.evictions
-    ),
+    LiveValue("evictions", "gpt2_kv_evictions", "counter", "Cached KV blocks evicted"),
     LiveValue(
         "preemptions",
         "gpt2_preemptions",
         "counter",
         "Sequences preempted for memory",
-        lambda t: t.engine.scheduler.num_preemptions,
         vllm=("vllm:num_preemptions",),
     ),
-    LiveValue("steps", "gpt2_steps", "counter", "Engine steps run", lambda t: t.engine.num_steps),
+    LiveValue("steps", "gpt2_steps", "counter", "Engine steps run"),
     LiveValue(
         "prompt_tokens",
         "gpt2_prompt_tokens",
         "counter",
         "Prompt tokens of the requests that got their first token (counted once, whatever preemptions)",
-        lambda t: t.stats.prompt_tokens,
+        lambda t, _: t.stats.prompt_tokens,
         vllm=("vllm:prompt_tokens",),
     ),
     LiveValue(
@@ -141,7 +113,7 @@ LIVE_VALUES = (
         "gpt2_generated_tokens",
         "counter",
         "Tokens generated, counted as they are generated (finished requests or not)",
-        lambda t: t.stats.tokens_generated,
+        lambda t, _: t.stats.tokens_generated,
         vllm=("vllm:generation_tokens",),
     ),
     LiveValue(
@@ -149,7 +121,7 @@ LIVE_VALUES = (
         "gpt2_requests",
         "counter",
         "Answered requests by outcome",
-        lambda t: t.stats.by_outcome(),
+        lambda t, _: t.stats.by_outcome(),
         label="outcome",
     ),
     LiveValue(
@@ -157,7 +129,7 @@ LIVE_VALUES = (
         "gpt2_request_finish_reasons",
         "counter",
         "Answered requests by finish reason (abort: cancelled)",
-        lambda t: t.stats.finished_reasons(),
+        lambda t, _: t.stats.finished_reasons(),
         label="finished_reason",
         vllm=("vllm:request_success",),
     ),
@@ -166,7 +138,7 @@ LIVE_VALUES = (
         "gpt2_requests_refused",
         "counter",
         "Requests refused at admission, by reason (batching/admission.py)",
-        lambda t: t.refused(),
+        lambda t, _: t.refused(),
         label="reason",
     ),
     # structured output (generate/constraints.py, generate/grammar_mask.py)
@@ -175,52 +147,39 @@ LIVE_VALUES = (
         "gpt2_constrained_requests",
         "counter",
         "Requests admitted with a constraint (structured output)",
-        lambda t: t.engine.grammar.stats.constrained_requests,
     ),
+    LiveValue("constraint_compiles", "gpt2_constraint_compiles", "counter", "Constraints compiled"),
     LiveValue(
-        "constraint_compiles",
-        "gpt2_constraint_compiles",
-        "counter",
-        "Constraints compiled",
-        lambda t: t.engine.constraints.stats().compiles,
-    ),
-    LiveValue(
-        "constraint_cache_hits",
-        "gpt2_constraint_cache_hits",
-        "counter",
-        "Constraints taken from the compile cache",
-        lambda t: t.engine.constraints.stats().cache_hits,
+        "constraint_cache_hits", "gpt2_constraint_cache_hits", "counter", "Constraints taken from the compile cache"
     ),
     LiveValue(
         "constraint_compile_mean_s",
         "gpt2_constraint_compile_mean_seconds",
         "gauge",
         "Mean compile time of recent constraints",
-        lambda t: t.engine.constraints.stats().mean_s,
     ),
     LiveValue(
         "constraint_compile_p99_s",
         "gpt2_constraint_compile_p99_seconds",
         "gauge",
         "99th percentile compile time of recent constraints",
-        lambda t: t.engine.constraints.stats().p99_s,
     ),
     LiveValue(
         "mask_fill_mean_s",
         "gpt2_mask_fill_mean_seconds",
         "gauge",
         "Mean time filling a step's token masks (overlapped with the forward pass), over steps with any",
-        lambda t: t.engine.grammar.stats.mean_fill_s(),
     ),
     LiveValue(
         "mask_wait_mean_s",
         "gpt2_mask_wait_mean_seconds",
         "gauge",
         "Mean time the loop waited for and applied a step's token masks, over steps with any",
-        lambda t: t.engine.grammar.stats.mean_wait_s(),
     ),
     *TENANT_VALUES,
 )
+# every row without a reader names a counter of the engine's: a typo fails at import, not at the first scrape
+assert all(row.read or row.key in EngineCounters.__struct_fields__ for row in LIVE_VALUES)
 __all__ = ["LIVE_VALUES", "LiveTable", "LiveValue", "Reading"]
 
 
@@ -229,17 +188,19 @@ class LiveTable:
 
     def __init__(
         self,
-        engine: Engine,
+        engine_counters: Callable[[], EngineCounters],
+        model_name: str,
+        max_sequence_tokens: int,
         window_s: float,
         num_waiting: Callable[[], int],
         refused: Callable[[], dict[str, int]],
     ) -> None:
-        self.engine, self.num_waiting, self.refused = engine, num_waiting, refused
-        self.model_name = engine.model_name
+        self.engine_counters, self.num_waiting, self.refused = engine_counters, num_waiting, refused
+        self.model_name = model_name
         self.started_at = time.time()  # Unix time
         self.stats = Stats()
         self.window = Window(window_s, self.started_at)
-        bounds = {"seconds": SECONDS, "tokens": token_buckets(engine.max_sequence_tokens)}
+        bounds = {"seconds": SECONDS, "tokens": token_buckets(max_sequence_tokens)}
         self.histograms = {h.key: Histogram(bounds[h.unit]) for h in HISTOGRAMS}
         self._lock = threading.Lock()  # guards the histograms
 
@@ -267,8 +228,11 @@ class LiveTable:
                     self.histograms[key].observe(value)
 
     # --- read by request threads ------------------------------------------------------------------
-    def values(self) -> dict[str, Reading]:
-        return {v.key: v.read(self) for v in LIVE_VALUES}
+    def values(self, view: TenantView = EVERY_TENANT) -> dict[str, Reading]:
+        """Every row, from one snapshot of the engine's counters; the per-tenant rows cut to what `view` shows."""
+        engine = self.engine_counters()
+        values = {row.key: row.reading(self, engine) for row in LIVE_VALUES}
+        return only_shown(values, view, engine.tenant_labels)
 
     def histogram_readings(self) -> dict[str, tuple[list[tuple[str, int]], float]]:
         with self._lock:

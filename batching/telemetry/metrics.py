@@ -1,4 +1,4 @@
-"""GET /metrics: the live table (batching.live) in Prometheus' text format, read at scrape time.
+"""GET /metrics: the live table (live.py) in Prometheus' text format, read at scrape time.
 
 Every value is rendered under the project's name (gpt2_*) and, where vLLM has one, under vLLM's
 name too, labelled model_name, so vLLM's example Grafana dashboard works unchanged. Both come
@@ -12,18 +12,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from batching.histograms import HISTOGRAMS
-from batching.live import LIVE_VALUES, LiveTable, Reading
-from batching.step_summary import StepSummary
-from batching.tenant_stats import EVERY_TENANT, TenantView, only_shown
+from batching.telemetry.histograms import HISTOGRAMS
+from batching.telemetry.live import LIVE_VALUES, LiveTable, Reading
+from batching.telemetry.step_summary import StepSummary
 
 
 def render(
-    live: LiveTable, steps: StepSummary, infos: list[Metric] = (), view: TenantView = EVERY_TENANT
+    live: LiveTable, values: dict[str, Reading], steps: StepSummary, infos: list[Metric] = ()
 ) -> tuple[bytes, str]:
-    """The scrape, with `infos` (vLLM's *_info series); per-tenant series only for the tenants `view` shows."""
+    """The scrape of the live table's `values` (one reading, cut to what the reader may see) and its histograms,
+    with `infos` (vLLM's *_info series)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Scrape(live, steps, infos, view))
+    registry.register(_Scrape(live, values, steps, infos))
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
@@ -47,12 +47,11 @@ def cache_config_info(model: str, block_size: int, cache_dtype: str, prefix_cach
 
 
 class _Scrape(Collector):
-    def __init__(self, live: LiveTable, steps: StepSummary, infos: list[Metric], view: TenantView) -> None:
-        self.live, self.steps, self.infos, self.view = live, steps, infos, view
+    def __init__(self, live: LiveTable, values: dict[str, Reading], steps: StepSummary, infos: list[Metric]) -> None:
+        self.live, self.values, self.steps, self.infos = live, values, steps, infos
 
     def collect(self) -> Iterator[Metric]:
-        values = only_shown(self.live.values(), self.view, self.live.engine.scheduler.fair.ledger)
-        model = self.live.model_name
+        values, model = self.values, self.live.model_name
         for row in LIVE_VALUES:
             if row.metric:
                 yield _family(row.metric, row.kind, row.help, values[row.key], row.label)

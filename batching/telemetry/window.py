@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from batching.stats import summary
+from batching.telemetry.stats import summary
 
 MAX_STEPS = 200_000  # a bound on memory whatever the step rate; the window's time bound comes first
 MAX_SAMPLES = 10_000  # latest TTFTs and gaps kept for the percentiles

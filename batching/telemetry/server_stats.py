@@ -1,5 +1,6 @@
 """GET /stats: what is served, the live values, the windowed figures beside the since-start ones,
-and the recent steps. Every figure comes from the live table (batching.live) or the step log.
+and the recent steps. Every figure comes from the live table (live.py) or the step log; the per-tenant ones
+only for the tenants the reader's view shows.
 
 Two kinds of latency and throughput, under names that say which:
   "window"                      the last TIMELINE_WINDOW_S seconds, counted as tokens come (window.py);
@@ -9,11 +10,13 @@ Two kinds of latency and throughput, under names that say which:
 
 from typing import TYPE_CHECKING
 
+from batching.telemetry.tenant_stats import EVERY_TENANT, TenantView
+
 if TYPE_CHECKING:
     from batching.manager import BatchingManager
 
 
-def server_stats(manager: "BatchingManager") -> dict:
+def server_stats(manager: "BatchingManager", view: TenantView = EVERY_TENANT) -> dict:
     live = manager.live
     return {
         "mode": manager.settings.mode,
@@ -22,7 +25,7 @@ def server_stats(manager: "BatchingManager") -> dict:
         "kv_cache_dtype": manager.settings.engine.kv_cache_dtype,
         "block_size": manager.settings.engine.block_size,
         "kv_cache_integrity": manager.cache_problem or "ok",
-        **live.values(),
+        **live.values(view),
         "window": live.window_figures(),
         "recent_steps": manager.step_summary().as_stats(),
         **live.stats.snapshot(),

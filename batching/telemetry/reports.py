@@ -4,28 +4,29 @@ manager, then plain values (the reader's view as `every` and `tenant`), and retu
 
 from typing import TYPE_CHECKING
 
-from batching import metrics
-from batching.server_stats import server_stats
-from batching.tenant_stats import TenantView, only_shown
-from batching.timeline import timeline
+from batching.telemetry import metrics
+from batching.telemetry.server_stats import server_stats
+from batching.telemetry.tenant_stats import TenantView
+from batching.telemetry.timeline import timeline
 
 if TYPE_CHECKING:
     from batching.manager import BatchingManager
 
 
 def stats(manager: "BatchingManager", every: bool, tenant: str | None) -> dict:
-    return only_shown(server_stats(manager), TenantView(every, tenant), manager.engine.scheduler.fair.ledger)
+    return server_stats(manager, TenantView(every, tenant))
 
 
 def prometheus(manager: "BatchingManager", every: bool, tenant: str | None) -> tuple[bytes, str]:
     """The exposition and its content type."""
-    settings, engine = manager.settings.engine, manager.engine
-    cache = engine.blocks.block_size, settings.kv_cache_dtype, settings.prefix_cache, engine.blocks.num_blocks
-    infos = [metrics.cache_config_info(engine.model_name, *cache)]
+    settings, live = manager.settings.engine, manager.live
+    values = live.values(TenantView(every, tenant))
+    cache = settings.block_size, settings.kv_cache_dtype, settings.prefix_cache, values["kv_blocks_total"]
+    infos = [metrics.cache_config_info(live.model_name, *cache)]
     if every:
         running, waiting = manager.lora_names()
-        infos.append(metrics.lora_requests_info(engine.model_name, running, waiting, settings.max_loras))
-    return metrics.render(manager.live, manager.step_summary(), infos, TenantView(every, tenant))
+        infos.append(metrics.lora_requests_info(live.model_name, running, waiting, settings.max_loras))
+    return metrics.render(live, values, manager.step_summary(), infos)
 
 
 def steps_and_events(

@@ -14,15 +14,17 @@ tokens are observed, before its answer wakes the request thread that reads them.
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from functools import partial
 
 from batching.admission import Admission
-from batching.events import PHASE_AFTER, EventLog
-from batching.heartbeat import Heartbeat
 from batching.inference import Inference
-from batching.live import LiveTable
-from batching.step_summary import StepSummary, summarize
+from batching.telemetry.events import PHASE_AFTER, EventLog
+from batching.telemetry.heartbeat import Heartbeat
+from batching.telemetry.live import LiveTable
+from batching.telemetry.step_summary import StepSummary, summarize
 from config import Settings
 from generate.engine import Engine
+from generate.engine_counters import counters
 from generate.step_log import StepRecord
 
 
@@ -43,14 +45,21 @@ class StepNews:
 
 class LoopObserver:
     def __init__(self, engine: Engine, settings: Settings, admission: Admission, num_waiting: Callable[[], int]):
-        self.engine, self.admission = engine, admission
-        self.live = LiveTable(engine, settings.timeline_window_s, num_waiting, admission.counts)
+        self.step_log, self.admission = engine.step_log, admission
+        self.live = LiveTable(
+            partial(counters, engine),
+            engine.model_name,
+            engine.max_sequence_tokens,
+            settings.timeline_window_s,
+            num_waiting,
+            admission.counts,
+        )
         self.events = EventLog(settings.request_event_log_size)
         self.heartbeat = Heartbeat(settings.engine_stall_s, settings.engine_first_step_s)
         # The last step whose record is final (delivery charged): readers of the step log stop
         # there, since the loop still fills in the record of the step it is running.
         self.steps_done = 0
-        self._preemptions_seen = 0  # the scheduler's count at the last step; loop thread only
+        self._preemptions_seen = 0  # the engine's count as of the last step's record; loop thread only
 
     # --- between steps -----------------------------------------------------------------------------
     def arrived(self, inference: Inference) -> None:
@@ -76,7 +85,8 @@ class LoopObserver:
         step = news.record
         self.heartbeat.step_done(step.duration_s)
         self.admission.observe_step(step.num_prefill_tokens, step.duration_s)
-        if self.engine.scheduler.num_preemptions != self._preemptions_seen:
+        # the record's count is the scheduler's once this step was scheduled: a step launched ahead preempts none
+        if step.preemptions != self._preemptions_seen:
             self._record_preemptions(news.active, step)
         self._count_tokens(news)
         for inference in news.finished:  # after the tokens: an answer finds its tokens in /stats
@@ -115,7 +125,7 @@ class LoopObserver:
 
     def _record_preemptions(self, active: Collection[Inference], step: StepRecord) -> None:
         """Preempted sequences went back to the queue while this step was scheduled."""
-        self._preemptions_seen = self.engine.scheduler.num_preemptions
+        self._preemptions_seen = step.preemptions
         for inference in active:
             if inference.seq.num_preemptions != inference.preemptions_seen:
                 inference.preemptions_seen = inference.seq.num_preemptions
@@ -160,7 +170,7 @@ class LoopObserver:
     def finished_steps(self) -> list[StepRecord]:
         """Kept step records whose figures are final (not the running step's), oldest first."""
         done = self.steps_done  # read first: records up to here are no longer written
-        return [r for r in self.engine.step_log.since(0) if r.index <= done]
+        return [r for r in self.step_log.since(0) if r.index <= done]
 
     def step_summary(self) -> StepSummary:
         return summarize(self.finished_steps())
