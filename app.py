@@ -10,9 +10,9 @@ from werkzeug.exceptions import HTTPException
 from api import batches, chat, dashboard, lora, openai, simple, stats, tenants, tokenize
 from api.chat_template import ChatTemplate
 from api.errors import ApiError
+from api.generation import Server
 from api.json_body import StrictJSONProvider, require_json
 from api.protocol import PRIORITY_LIMIT
-from api.sampling import Server
 from batching.batch_jobs import BatchJobs
 from batching.batch_store import BatchStore
 from batching.engine_client import EngineClient

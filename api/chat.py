@@ -18,8 +18,8 @@ from flask import Blueprint, Response, jsonify, request
 from api.chat_protocol import AssistantMessage, ChatBody, Content, JsonSchemaFormat, Message, ToolMessage
 from api.chat_template import ChatTemplate
 from api.errors import bad
+from api.generation import Generation, Server, server, to_generation
 from api.protocol import parse
-from api.sampling import Generation, Server, server, to_generation
 from api.structured import Asked, json_schema
 from api.submission import NewTokens, Submitted, run, sse, submit, text_token_count, token_text
 from api.tool_calls import Calls, StreamedReply, call_json, call_schema, new_call_id, split_reply

@@ -11,7 +11,7 @@ from flask import Blueprint, Response, abort, jsonify, request
 
 from api import tenants
 from api.errors import bad
-from api.sampling import server
+from api.generation import server
 from api.stats import report
 
 PAGE_DIR = Path(__file__).resolve().parent.parent / "dashboard"

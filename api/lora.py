@@ -16,8 +16,8 @@ from flask import Blueprint, request
 from flask.blueprints import BlueprintSetupState
 
 from api.errors import ApiError, bad
+from api.generation import server
 from api.protocol import LoadLoraBody, UnloadLoraBody, parse
-from api.sampling import server
 from api.tenants import require_operator
 from generate.lora_registry import LoraInUse, LoraNotFound
 from model.lora import LoraError

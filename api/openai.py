@@ -12,9 +12,9 @@ from itertools import accumulate
 from flask import Blueprint, Response, jsonify, request
 
 from api.errors import bad
+from api.generation import Generation, Server, to_generation
 from api.lora import model_cards
 from api.protocol import CompletionBody, parse
-from api.sampling import Generation, Server, to_generation
 from api.submission import NewTokens, Submitted, run, sse, submit, text_token_count, token_text
 from batching.inference import Delta, Inference
 from generate.sequence import TokenLogprobs

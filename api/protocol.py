@@ -3,7 +3,7 @@ api/chat_protocol.py.
 
 Names and static ranges follow OpenAI's API reference; `top_k`, `min_tokens`, `repetition_penalty`,
 `ignore_eos` and the `guided_*` fields are vLLM's extras. What depends on the served model (its
-name, vocabulary, context) is checked after, by api/sampling.py. Validation is strict: no string is
+name, vocabulary, context) is checked after, by api/generation.py. Validation is strict: no string is
 read as a number, no number as a boolean, no field is unknown. `parse` turns the first problem into
 a 400 whose `param` is the field's top-level name, so every problem names its field.
 """
@@ -63,7 +63,7 @@ class Sampling(Strict):
     priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)  # vLLM's: lower is more urgent
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, ge=1e-9, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM's -1 means off, as 0 does; at most the vocabulary (api/sampling.py)
+    top_k: int = Field(0, ge=-1)  # vLLM's -1 means off, as 0 does; at most the vocabulary (api/generation.py)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
@@ -71,7 +71,7 @@ class InferenceBody(Sampling):
     """POST /inference, the original endpoint: one text prompt, num_tokens to generate."""
 
     prompt: NonEmpty
-    num_tokens: int = Field(ge=1)  # at most the context (api/sampling.py)
+    num_tokens: int = Field(ge=1)  # at most the context (api/generation.py)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_k: int = Field(0, ge=0, le=50257)
     stop_at_eos: bool = False

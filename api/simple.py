@@ -2,8 +2,8 @@
 
 from flask import Blueprint, jsonify, request
 
+from api.generation import to_generation
 from api.protocol import InferenceBody, parse
-from api.sampling import to_generation
 from api.submission import run
 
 routes = Blueprint("inference", __name__)

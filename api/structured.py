@@ -1,6 +1,6 @@
 """A request's one output constraint: which field asked for it, as the grammar engine takes it, compiled.
 
-CONSTRAINT_FIELDS names the body fields that ask for one: api/sampling.py comes here only when a
+CONSTRAINT_FIELDS names the body fields that ask for one: api/generation.py comes here only when a
 request sets one of them (or the endpoint asks, as chat's response_format and tools do).
 
 The fields are vLLM's `guided_*` (both endpoints) and, on chat, OpenAI's `response_format` and

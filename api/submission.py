@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from api.errors import ApiError
-from api.sampling import Generation, Server
+from api.generation import Generation, Server
 from batching.admission import Refused
 from batching.inference import Delta, Inference
 from batching.manager import NotServing

@@ -6,8 +6,8 @@ from flask import Blueprint, jsonify, request
 from api.chat import render
 from api.chat_protocol import TokenizeBody
 from api.errors import bad
+from api.generation import check_model, server
 from api.protocol import DetokenizeBody, parse
-from api.sampling import check_model, server
 from model.tokenizer import encode_prompt
 
 routes = Blueprint("tokenize", __name__)

@@ -47,21 +47,26 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(size for size in self.sizes if size >= n)
 
-    def prepare(self, seqs: list[Sequence], next_ids: torch.Tensor | None = None) -> None:
+    def prepare(
+        self, seqs: list[Sequence], positions: list[int] | None = None, input_ids: torch.Tensor | None = None
+    ) -> None:
         """Fill the static buffers for these sequences and pad them up to their bucket, in one host-to-device copy.
 
-        `next_ids` ([n], on the device): each sequence's next token, drawn by a step whose result the host
-        has not read yet; this step computes that token, one position past the sequence's token list.
+        Each row computes one token: by default its sequence's last, at that token's position; else the row's
+        `input_ids` ([n], on the device: tokens the host need not have) at its `positions`. Either way the slot of
+        the row's position is in its sequence's block table.
         """
+        assert (positions is None) == (input_ids is None), "both given, or neither"
         n, size, bs = len(seqs), self.bucket(len(seqs)), self.block_size
         padding = size - n
-        ahead = int(next_ids is not None)
-        positions = [len(s.token_ids) - 1 + ahead for s in seqs]
+        if positions is None:
+            positions = [len(s.token_ids) - 1 for s in seqs]
+        host_ids = [s.token_ids[-1] for s in seqs] if input_ids is None else [0] * n  # given ids: copied in below
         width = max(-(-(p + 1) // bs) for p in positions)
         tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
         t = upload(
             self.logits.device,
-            input_ids=[0 if ahead else s.token_ids[-1] for s in seqs] + [0] * padding,
+            input_ids=host_ids + [0] * padding,
             positions=positions + [0] * padding,
             slot_mapping=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
             + [self.scratch_block * bs] * padding,
@@ -70,8 +75,8 @@ class DecodeGraphs:
         )
         for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
             getattr(self, name)[:size].copy_(t[name])
-        if next_ids is not None:
-            self.input_ids[:n].copy_(next_ids)  # device to device, behind the step that draws them
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids)  # device to device, queued behind whatever writes them
         # columns past `width` keep stale ids: the kernel reads no block beyond a sequence's context
         self.block_tables[:size, :width].copy_(t["block_tables"].view(size, width))
 

@@ -18,7 +18,7 @@ from generate.model_runner import Launched, ModelRunner, kv_cache_dtype
 from generate.scheduler import Scheduler
 from generate.sequence import SamplingParams, Sequence, Status
 from generate.step_log import StageClock, StepLog, StepRecord
-from kvcache.block_manager import BlockManager
+from kvcache.block_manager import BlockManager, KVCacheExhausted
 from kvcache.pool_size import default_budget_bytes, pool_blocks
 from model import cpu_linear, host_memory, int8_linear
 from model.cpu_features import native_bfloat16
@@ -87,11 +87,11 @@ class Engine:
         self.num_steps = 0
         self.constraints = ConstraintCompiler(settings)  # request threads compile with it, before admission
         self.grammar = GrammarMasks(constraints.VOCAB_SIZE, runner.on_gpu)  # .stats: structured output's counters
-        # Asynchronous scheduling: a decode step that needs nothing back from the host but its tokens is
-        # launched, and the next one launched behind it before they are read (ModelRunner.launch).
+        # Asynchronous scheduling (ASYNC_SCHEDULING), `step`'s alone: decode steps the runner can launch (queue on
+        # the device, read later) go one behind the other.
         overlap = isinstance(runner, ModelRunner) and settings.async_scheduling != "off"
         self.launcher: ModelRunner | None = runner if overlap else None
-        self.in_flight: InFlight | None = None
+        self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
         self.num_steps_ahead = 0  # steps launched before the step in front of them was read
 
     @classmethod
@@ -157,11 +157,14 @@ class Engine:
         `Sequence.append` says so or a prompt-only one has computed its prompt, or by `abort`.
         The step's record is `step_log.last`.
 
-        With asynchronous scheduling a decode step may still run on the device when this returns (the
-        next step, launched before this one's tokens were read): its results come from the next call,
-        less those of sequences that ended meanwhile (their extra token is thrown away).
+        Asynchronous scheduling is this method's alone, as mini-sglang's overlap_loop: a decode step that needs
+        nothing back but its tokens is launched, and the next launched behind it before they are read, so the
+        host's work for one step runs while the device computes the one before. That next step may still run
+        when this returns: its results come from the next call, less those of sequences that ended meanwhile
+        (their extra token is thrown away).
         """
-        if self.in_flight is None:
+        last = self.in_flight
+        if last is None:  # nothing on the device: schedule a step
             clock = StageClock()
             seqs = self.scheduler.schedule()
             if not seqs:
@@ -171,10 +174,11 @@ class Engine:
             clock.lap("schedule")
             if self.launcher is None or not self.launcher.can_launch(seqs):
                 return self._run(seqs, record, clock)
-            self.in_flight = InFlight(seqs, self.launcher.launch(seqs, clock), record, clock)
-        current = self.in_flight
-        self.in_flight = self._look_ahead(current)
-        return self._complete(current)
+            last = InFlight(seqs, self.launcher.launch(seqs, clock), record, clock)
+        # The overlap is this order: launch the next step behind `last`, then read `last` (read first, the device
+        # would wait while the host retires it and builds the next).
+        self.in_flight = self._launch_behind(last)
+        return self._complete(last, self.in_flight)
 
     def _run(self, seqs: list[Sequence], record: StepRecord, clock: StageClock) -> list[StepResult]:
         """The step on the runner, waiting for its tokens."""
@@ -184,30 +188,39 @@ class Engine:
         assert len(tokens) == len(seqs)
         return self._retire(seqs, tokens, record, clock)
 
-    def _look_ahead(self, current: InFlight) -> InFlight | None:
-        """Launch the step after `current` behind it, before its tokens are read: its sequences that are still
-        running decode once more, if that is the step the scheduler would run (Scheduler.schedule_ahead)."""
-        rows = [i for i, s in enumerate(current.seqs) if s.status is Status.RUNNING]  # not ended or aborted
-        seqs = [current.seqs[i] for i in rows]
+    def _launch_behind(self, last: InFlight) -> InFlight | None:
+        """The next step, launched behind `last` before its tokens are read: `last`'s sequences still running, each
+        computing the token `last` draws for it, one past its token list. Only when that is the step `schedule`
+        would run: nobody else runs or can join them, and the pool has each a slot without preempting. Otherwise
+        None: the next call reads `last` and schedules as usual."""
+        rows = [i for i, s in enumerate(last.seqs) if s.status is Status.RUNNING]  # not ended or aborted meanwhile
+        seqs = [last.seqs[i] for i in rows]
         clock = StageClock()
-        if not seqs or not self.scheduler.schedule_ahead(seqs):
+        if not seqs or not self.scheduler.runs_alone(seqs):
             return None
+        positions = [len(s.token_ids) for s in seqs]  # of the tokens on their way
+        try:
+            for seq, position in zip(seqs, positions):
+                self.blocks.append_slot(seq, position + 1)
+        except KVCacheExhausted:
+            return None  # those given a block keep it: the token they make room for is on its way
+        self.scheduler.charge(seqs)
         record = self._record(seqs, clock)
         clock.lap("schedule")
         self.num_steps_ahead += 1
-        launched = self.launcher.launch(seqs, clock, current.launched, None if len(rows) == len(current.seqs) else rows)
+        launched = self.launcher.launch(seqs, clock, positions, last.launched.tokens_at(rows))
         return InFlight(seqs, launched, record, clock)
 
-    def _complete(self, current: InFlight) -> list[StepResult]:
-        """Read a launched step's tokens and retire it; the step launched behind it then computes them."""
-        tokens = current.launched.read()
-        clock = current.clock
+    def _complete(self, last: InFlight, behind: InFlight | None) -> list[StepResult]:
+        """Read a launched step's tokens and retire it; `behind`, launched after it, computes those tokens."""
+        tokens = last.launched.read()
+        clock = last.clock
         clock.lap("sample")
-        live = [(s, t) for s, t in zip(current.seqs, tokens) if s.status is Status.RUNNING]
-        current.record.num_sampled = len(live)  # the tokens of sequences that ended meanwhile are thrown away
-        results = self._retire([s for s, _ in live], [t for _, t in live], current.record, clock)
-        for seq in self.in_flight.seqs if self.in_flight else []:
-            seq.num_scheduled_tokens = 1  # the token just appended, which that step computes
+        live = [(s, t) for s, t in zip(last.seqs, tokens) if s.status is Status.RUNNING]
+        last.record.num_sampled = len(live)  # the tokens of sequences that ended meanwhile are thrown away
+        results = self._retire([s for s, _ in live], [t for _, t in live], last.record, clock)
+        for seq in behind.seqs if behind else []:
+            seq.num_scheduled_tokens = 1  # the token just appended, which `behind` computes
         return results
 
     def _retire(
@@ -235,7 +248,7 @@ class Engine:
         # a prompt chunk, or the recomputation of a preempted sequence; a decode computes its one new token
         prefills = [s for s in seqs if s.num_scheduled_tokens > 1 or s.num_computed_tokens < s.num_prompt_tokens]
         blocks, scheduler = self.blocks, self.scheduler
-        record = StepRecord(
+        return StepRecord(
             index=self.num_steps,
             started_at=clock.started_at,
             num_decodes=len(seqs) - len(prefills),
@@ -249,7 +262,6 @@ class Engine:
             kv_blocks_free=blocks.num_free_blocks,
             preemptions=scheduler.num_preemptions,
         )
-        return record
 
     def generate(self, prompts: Seq[Seq[int] | str], params: SamplingParams | Seq[SamplingParams]) -> list[list[int]]:
         """Generate for every prompt (token ids or text) through the scheduler; completions in order."""

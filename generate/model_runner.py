@@ -42,6 +42,12 @@ class Launched:
             self.ready.synchronize()
         return self.host.tolist()
 
+    def tokens_at(self, rows: list[int]) -> torch.Tensor:
+        """These rows' tokens ([len(rows)]), still on the device: queued behind the step, not waiting for it."""
+        if rows == list(range(len(self.tokens))):
+            return self.tokens
+        return self.tokens[upload(self.tokens.device, rows=rows)["rows"]]  # the indices go up in one pinned copy
+
 
 class ModelRunner:
     """Owns the model and its KV cache tensor; the engine owns which slots each sequence uses.
@@ -165,22 +171,24 @@ class ModelRunner:
         return all(s.lora is None and not needs_host_state(s) for s in seqs)
 
     def launch(
-        self, seqs: list[Sequence], clock: StageClock, after: Launched | None = None, rows: list[int] | None = None
+        self,
+        seqs: list[Sequence],
+        clock: StageClock,
+        positions: list[int] | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> Launched:
         """Queue a decode step, its sampling and the copy of its tokens to the host, without waiting for them.
 
-        `after`: a launched step not read yet, which drew these sequences' input tokens (at its `rows`,
-        or all of them, in order); this step then computes one position past each token list.
+        Each row computes one token and draws the one after it: by default its sequence's last; else the row's
+        `input_ids` ([n], on the device) at its `positions` (DecodeGraphs.prepare).
         """
-        assert self.graphs is not None, "the engine launches only what can_launch allows"
-        next_ids = None
-        if after is not None:
-            next_ids = after.tokens if rows is None else after.tokens[upload(self.device, rows=rows)["rows"]]
-        self.graphs.prepare(seqs, next_ids)
+        assert self.graphs is not None, "launch runs only what can_launch allows"
+        self.graphs.prepare(seqs, positions, input_ids)
         clock.lap("build")
         logits = self.graphs.replay(len(seqs))  # [n, V]
         clock.lap("forward")
-        tokens = self.sampler.on_device(seqs, logits, ahead=int(after is not None))  # [n]
+        drawn_at = None if positions is None else [p + 1 for p in positions]
+        tokens = self.sampler.on_device(seqs, logits, drawn_at)  # [n]
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=self.on_gpu)
         host.copy_(tokens, non_blocking=self.on_gpu)  # a blocking copy would wait for every step queued
         ready = torch.cuda.Event() if self.on_gpu else None

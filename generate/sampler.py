@@ -9,7 +9,7 @@ the sampling rows, and the one transfer back to the host is the sampled tokens.
 import torch
 
 from generate.grammar_mask import StepMasks
-from generate.sampling import SamplingRow, SamplingTensors, sample, top_logprobs
+from generate.sampling_ops import SamplingRow, SamplingTensors, sample, top_logprobs
 from generate.sequence import Sequence, TokenLogprobs
 from model.tokenizer import EOT_ID
 
@@ -34,12 +34,14 @@ class Sampler:
         tokens = iter(sampled.tolist())
         return [next(tokens) if s.samples_this_step else None for s in seqs]
 
-    def on_device(self, seqs: list[Sequence], logits: torch.Tensor, ahead: int = 0) -> torch.Tensor:
-        """Each sequence's next token, left on the device: rows that need nothing read back on the host
-        (no log-probabilities, penalties or constraint: `needs_host_state` is False for every one, as
-        ModelRunner.can_launch has checked)."""
-        settings = SamplingTensors.build([sampling_row(s, ahead) for s in seqs], logits.shape[1], self.device)
-        return sample(logits, settings)  # [N]
+    def on_device(self, seqs: list[Sequence], logits: torch.Tensor, positions: list[int] | None = None) -> torch.Tensor:
+        """Each row's token, left on the device: rows that need nothing read back on the host (no
+        log-probabilities, penalties or constraint: `needs_host_state` is False for every one).
+        `positions`: where each row's token goes in its sequence (default: just past its token list)."""
+        if positions is None:
+            positions = [len(s.token_ids) for s in seqs]
+        rows = [sampling_row(s, p) for s, p in zip(seqs, positions)]
+        return sample(logits, SamplingTensors.build(rows, logits.shape[1], self.device))  # [N]
 
     @staticmethod
     def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, sampled: torch.Tensor) -> None:
@@ -83,20 +85,21 @@ def _layout(seqs: list[Sequence]) -> tuple[list[int], list[int]]:
     return prompt_rows, sample_rows
 
 
-def sampling_row(seq: Sequence, ahead: int = 0) -> SamplingRow:
-    """A sequence's settings for this step; its noise is keyed by its seed and the position it draws.
-    `ahead`: tokens the sequence has drawn on the device that its token list does not hold yet (a step
-    launched before the one before it was read back: Engine's asynchronous scheduling)."""
+def sampling_row(seq: Sequence, position: int | None = None) -> SamplingRow:
+    """A sequence's settings for the token it draws at `position` (default: just past its token list); the
+    draw's noise is keyed by its seed and that position, and the tokens generated before it count toward
+    min_tokens."""
     p = seq.params
+    position = len(seq.token_ids) if position is None else position
     bias = p.logit_bias
-    if p.stop_at_eos and seq.num_generated + ahead < p.min_tokens:
+    if p.stop_at_eos and position - seq.num_prompt_tokens < p.min_tokens:
         bias += ((EOT_ID, -float("inf")),)  # min_tokens: end-of-text cannot be drawn yet
     return SamplingRow(
         temperature=p.temperature,
         top_k=p.top_k,
         top_p=p.top_p,
         seed=seq.seed,
-        position=len(seq.token_ids) + ahead,
+        position=position,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,

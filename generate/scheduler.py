@@ -221,30 +221,18 @@ class Scheduler:
                 seq.leave_leader()
             if seq.fork_of is None and not budget.held_back(seq) and budget.tokens > 0:
                 scheduled.append(budget.take(seq))
-        self._charge(scheduled)
+        self.charge(scheduled)
         return scheduled
 
-    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether the step after the current one can be `seqs` decoding again, decided before the current
-        step's tokens are read (the engine's asynchronous scheduling); if so, a slot for one more token each.
-
-        Only when that is what `schedule` would run: `seqs` are all the running sequences (no prompt chunk,
-        no fork waiting), nobody waiting can be admitted or preempt one of them, and the pool has the slots
-        without preempting (else the engine reads the tokens first and schedules the step itself).
-        """
+    def runs_alone(self, seqs: list[Sequence]) -> bool:
+        """Whether `seqs` are all the running sequences and nobody waiting can join or preempt them now: the
+        queue's next sequence has no seat and outranks none of them."""
         if len(seqs) != len(self.running):
             return False
-        if self.waiting and (len(self.running) < self.max_num_seqs or self._below(self._candidate())):
-            return False  # the queue's next sequence has a seat, or outranks a running one it could preempt
-        try:
-            for seq in seqs:
-                self.blocks.append_slot(seq, ahead=1)
-        except KVCacheExhausted:
-            return False  # those given a block keep it: the token they make room for is on its way
-        self._charge(seqs)
-        return True
+        return not self.waiting or (len(self.running) >= self.max_num_seqs and not self._below(self._candidate()))
 
-    def _charge(self, scheduled: list[Sequence]) -> None:
+    def charge(self, scheduled: list[Sequence]) -> None:
+        """Charge each tenant for the tokens its scheduled sequences draw (fair share's service)."""
         for tenant, tokens in Counter(s.tenant for s in scheduled if s.samples_this_step).items():
             self.fair.charge(tenant, generated_tokens=tokens)  # once a tenant, not once a sequence
 
@@ -281,7 +269,7 @@ class Scheduler:
     @staticmethod
     def _leader_done(fork: Sequence) -> bool:
         """Whether `fork`'s leader has computed the prompt blocks they share (then the fork goes on alone)."""
-        return fork.fork_of.num_computed_tokens >= fork.num_cached_tokens
+        return fork.fork_of.num_computed_tokens >= fork.num_shared_tokens
 
     def _admit(self, seq: Sequence, leader: Sequence | None) -> None:
         """Give a waiting sequence its blocks (shared with its leader, or from the prefix cache) and a seat."""
@@ -290,11 +278,11 @@ class Scheduler:
         else:
             self.blocks.allocate(seq)
             self.prompt_tokens_admitted += len(seq.token_ids)  # prefix-cache queries and hits; forks share
-            self.prompt_tokens_cached += seq.num_cached_tokens
+            self.prompt_tokens_cached += seq.num_shared_tokens
         if seq.num_cached_prompt_tokens is None:  # its first admission: its tenant pays for what it computes
-            seq.num_cached_prompt_tokens = 0 if leader else seq.num_cached_tokens
-            self.fair.charge(seq.tenant, prompt_tokens=len(seq.token_ids) - seq.num_cached_tokens)
-        seq.num_computed_tokens = seq.num_cached_tokens
+            seq.num_cached_prompt_tokens = 0 if leader else seq.num_shared_tokens
+            self.fair.charge(seq.tenant, prompt_tokens=len(seq.token_ids) - seq.num_shared_tokens)
+        seq.num_computed_tokens = seq.num_shared_tokens
         seq.status = Status.RUNNING
         self.running.append(seq)
 

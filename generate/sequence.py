@@ -99,8 +99,12 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     num_scheduled_tokens: int = 0  # tokens the current step computes: a prompt chunk, or the last token
-    num_cached_tokens: int = 0  # of those, taken at admission from the prefix cache (or the sequence forked)
-    num_cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    # Two counts of tokens it did not compute. Shared: at the head of its block table since its latest admission,
+    # in blocks it shares (prefix-cache hits, or its leader's prompt blocks for a fork); its computing starts after
+    # them. Cached prompt: prefix-cache hits at its first admission only (0 for a fork; None before it), what its
+    # usage reports as cached (prompt_tokens_details.cached_tokens) however often it is preempted and readmitted.
+    num_shared_tokens: int = 0
+    num_cached_prompt_tokens: int | None = None
     num_committed_blocks: int = 0
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if asked for

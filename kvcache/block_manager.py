@@ -25,7 +25,7 @@ class KVCacheExhausted(Exception):
 class SequenceBlocks(Protocol):
     token_ids: list[int]
     block_table: list[int]
-    num_cached_tokens: int  # tokens taken from the prefix cache at admission
+    num_shared_tokens: int  # leading tokens in blocks shared at admission (prefix-cache hits, or a fork's leader's)
     num_committed_blocks: int  # leading full blocks already offered to the prefix cache
     reads_prefix_cache: bool  # False: compute every token (a cached block has no logits to give)
     lora_id: int  # the adapter its keys and values come from (0: the base model): the prefix cache's namespace
@@ -92,7 +92,7 @@ class BlockManager:
         for block in cached:
             self._acquire(block)
         seq.block_table = cached + [self._take_free() for _ in range(self.blocks_for(len(seq.token_ids)) - len(cached))]
-        seq.num_cached_tokens = len(cached) * self.block_size
+        seq.num_shared_tokens = len(cached) * self.block_size
         seq.num_committed_blocks = len(cached)
 
     def fork_cost(self, seq: SequenceBlocks) -> tuple[int, int]:
@@ -114,13 +114,13 @@ class BlockManager:
         for block in leader.block_table[:shared]:
             self._acquire(block)
         seq.block_table = leader.block_table[:shared] + [self._take_free() for _ in range(needed)]
-        seq.num_cached_tokens = end
+        seq.num_shared_tokens = end
         seq.num_committed_blocks = shared  # the leader offers the shared blocks to the prefix cache
 
-    def append_slot(self, seq: SequenceBlocks, ahead: int = 0) -> None:
-        """Make room for the sequence's last token, taking a new block at a block boundary; `ahead`: and for
-        that many tokens more, drawn on the device and not in its token list yet (asynchronous scheduling)."""
-        needed = self.blocks_for(len(seq.token_ids) + ahead)
+    def append_slot(self, seq: SequenceBlocks, num_tokens: int | None = None) -> None:
+        """Make room for the sequence's last token, taking a new block at a block boundary: the last of its token
+        list, or its `num_tokens`-th, which may lie one past the list (a slot needs a count, not the token)."""
+        needed = self.blocks_for(len(seq.token_ids) if num_tokens is None else num_tokens)
         if len(seq.block_table) < needed:
             if not self._free:
                 raise KVCacheExhausted("no free block for a decoding sequence")

@@ -123,6 +123,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """nanoGPT's block, each residual add fused with the LayerNorm that reads its sum (add_norm: one kernel):
+
+        nanoGPT                            here
+        x = x + self.attn(self.ln_1(x))    x, ln_2_x = add_norm(x, self.attn(ln_1_x), self.ln_2)
+        x = x + self.mlp(self.ln_2(x))     x, next_x = add_norm(x, self.mlp(ln_2_x), next_norm)
+
+    So its ln_1 has run before it, with the add before it (the embeddings', or the previous block's second),
+    and its second add runs the norm after it: a block takes x and ln_1(x) and returns x and next_norm(x),
+    next_norm being the next block's ln_1, or after the last block ln_f (None: ln_f runs apart, GPT.forward).
+    """
+
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
@@ -131,12 +142,11 @@ class Block(nn.Module):
         self.mlp = MLP(config, layer)
 
     def forward(
-        self, x: torch.Tensor, h: torch.Tensor, kv_cache: LayerKV, batch: StepBatch, next_norm: nn.LayerNorm | None
+        self, x: torch.Tensor, ln_1_x: torch.Tensor, kv_cache: LayerKV, batch: StepBatch, next_norm: nn.LayerNorm | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: the residual stream, h: ln_1(x), computed with the add before it. Returns the stream after the
-        block and next_norm of it (the next block's ln_1, ln_f, or None)."""
-        x, h = add_norm(x, self.attn(h, kv_cache, batch), self.ln_2, batch)  # [T, C] each
-        return add_norm(x, self.mlp(h, batch), next_norm, batch)  # [T, C], [T, C] or None
+        """x: the residual stream, ln_1_x: self.ln_1(x). Returns the stream after the block and next_norm of it."""
+        x, ln_2_x = add_norm(x, self.attn(ln_1_x, kv_cache, batch), self.ln_2, batch)  # [T, C] each
+        return add_norm(x, self.mlp(ln_2_x, batch), next_norm, batch)  # [T, C], [T, C] or None
 
 
 class GPT(nn.Module):
@@ -191,15 +201,20 @@ class GPT(nn.Module):
     def forward(self, batch: StepBatch) -> torch.Tensor:
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         rows, fused = batch.logits_rows, batch.attention.fused_norms
-        # Each residual add runs with the norm that reads its sum: the embeddings' with block 0's ln_1, a block's
-        # last with the next block's ln_1. Fused, the last block's takes ln_f over every row: writing T normalised
-        # rows costs less than launching the add and ln_f apart, and a row's norm is the same however many run.
-        norms = [block.ln_1 for block in self.h[1:]] + [self.ln_f if fused else None]
-        x, h = add_norm(self.wte(batch.input_ids), self.wpe(batch.positions), self.h[0].ln_1, batch)  # [T, C] each
-        for layer, (block, norm) in enumerate(zip(self.h, norms)):
-            x, h = block(x, h, self.kv_cache[layer], batch, norm)  # [T, C] each; h is None after the last unfused
-        if h is None:  # ln_f on the wanted rows only
-            h = self.ln_f(x if rows is None else x[rows])  # [N, C]
+        # Each residual add runs with the norm that reads its sum (Block), so each block is handed the norm after
+        # it, the next block's ln_1 (the list shifted by one), and block 0's ln_1 runs with the embeddings' add:
+        #
+        #   wte + wpe --add, h[0].ln_1--> h[0] --add, h[1].ln_1--> h[1] ... h[L-1] --add, ln_f--> lm_head
+        #
+        # Fused, the last block's add takes ln_f over every row: writing T normalised rows costs less than launching
+        # the add and ln_f apart, and a row's norm is the same however many run. Unfused, ln_f runs after, on the
+        # wanted rows only.
+        next_norms = [block.ln_1 for block in self.h[1:]] + [self.ln_f if fused else None]
+        x, normed = add_norm(self.wte(batch.input_ids), self.wpe(batch.positions), self.h[0].ln_1, batch)  # [T, C]
+        for layer, (block, next_norm) in enumerate(zip(self.h, next_norms)):
+            x, normed = block(x, normed, self.kv_cache[layer], batch, next_norm)  # normed: next_norm(x), or None
+        if normed is None:  # ln_f on the wanted rows only
+            normed = self.ln_f(x if rows is None else x[rows])  # [N, C]
         elif rows is not None:
-            h = h[rows]  # [N, C]
-        return self.lm_head(h)[:, : self.config.vocab_size].float()  # [N, V]
+            normed = normed[rows]  # [N, C]
+        return self.lm_head(normed)[:, : self.config.vocab_size].float()  # [N, V]

@@ -13,7 +13,7 @@ BS = 4
 class FakeSeq:  # exactly the SequenceBlocks protocol
     token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    num_shared_tokens: int = 0
     num_committed_blocks: int = 0
     reads_prefix_cache: bool = True
     lora_id: int = 0
@@ -58,7 +58,7 @@ def test_allocate_gives_ceil_len_over_block_size_distinct_blocks(num_tokens: int
     assert all(0 <= b < 8 for b in seq.block_table)
     assert manager.num_used_blocks == expected_blocks
     assert manager.num_free_blocks == 8 - expected_blocks
-    assert seq.num_cached_tokens == 0
+    assert seq.num_shared_tokens == 0
     manager.check_integrity([seq])
 
 
@@ -184,7 +184,7 @@ def test_a_committed_prefix_is_shared_by_the_next_sequence() -> None:
     b = FakeSeq(tokens(0, 8) + [77, 78, 79])  # same two full blocks, then different tokens
     manager.allocate(b)
     assert b.block_table[:2] == a.block_table[:2]
-    assert b.num_cached_tokens == 2 * BS
+    assert b.num_shared_tokens == 2 * BS
     assert b.num_committed_blocks == 2
     assert len(b.block_table) == 3 and b.block_table[2] not in a.block_table
     assert manager.ref_counts[a.block_table[0]] == 2 and manager.ref_counts[a.block_table[1]] == 2
@@ -199,7 +199,7 @@ def test_nothing_is_shared_before_commit() -> None:
     manager.allocate(a)  # allocated, but nothing computed yet
     b = FakeSeq(tokens(0, 10))
     manager.allocate(b)
-    assert b.num_cached_tokens == 0
+    assert b.num_shared_tokens == 0
     assert not set(a.block_table) & set(b.block_table)
     manager.check_integrity([a, b])
 
@@ -212,7 +212,7 @@ def test_commit_caches_only_computed_full_blocks() -> None:
     assert a.num_committed_blocks == 1 and manager.num_cached_blocks == 1
     b = FakeSeq(tokens(0, 12))
     manager.allocate(b)
-    assert b.num_cached_tokens == BS and b.block_table[0] == a.block_table[0]
+    assert b.num_shared_tokens == BS and b.block_table[0] == a.block_table[0]
     manager.check_integrity([a, b])
 
 
@@ -224,12 +224,12 @@ def test_prompt_of_exactly_k_full_blocks_matches_only_k_minus_one() -> None:
     manager.allocate(b)
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]  # the last block is computed again
-    assert b.num_cached_tokens == 2 * BS
+    assert b.num_shared_tokens == 2 * BS
     assert len(b.block_table) == 3
     # One more token after those 3 blocks and all three match.
     c = FakeSeq(tokens(0, 3 * BS) + [99])
     manager.allocate(c)
-    assert c.block_table[:3] == a.block_table and c.num_cached_tokens == 3 * BS
+    assert c.block_table[:3] == a.block_table and c.num_shared_tokens == 3 * BS
     manager.check_integrity([a, b, c])
 
 
@@ -240,7 +240,7 @@ def test_partial_last_block_is_never_cached() -> None:
     assert a.block_table[1] not in manager.trie
     b = FakeSeq(tokens(0, BS + 3) + [99, 100])  # the same 3 tokens and more
     manager.allocate(b)
-    assert b.num_cached_tokens == BS
+    assert b.num_shared_tokens == BS
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
     manager.check_integrity([a, b])
 
@@ -250,7 +250,7 @@ def test_different_first_block_shares_nothing() -> None:
     a = run(manager, tokens(0, 9))
     b = FakeSeq([1000] + tokens(1, 8))  # second block equal, first not: no match
     manager.allocate(b)
-    assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
+    assert b.num_shared_tokens == 0 and not set(a.block_table) & set(b.block_table)
     manager.check_integrity([a, b])
 
 
@@ -283,7 +283,7 @@ def test_an_evictable_prefix_is_revived_by_the_next_sequence() -> None:
     b = FakeSeq(tokens(0, 9))
     assert manager.admission_cost(b) == (3, 1)  # 1 new block + 2 revived; 1 token to compute
     manager.allocate(b)
-    assert b.block_table[:2] == cached and b.num_cached_tokens == 2 * BS
+    assert b.block_table[:2] == cached and b.num_shared_tokens == 2 * BS
     assert manager.num_evictable_blocks == 0
     assert manager.evictions == 0
     manager.check_integrity([b])
@@ -304,7 +304,7 @@ def test_reviving_cached_blocks_counts_against_the_free_pool() -> None:
     assert not manager.can_allocate(b)
     with pytest.raises(KVCacheExhausted):
         manager.allocate(b)
-    assert b.block_table == [] and b.num_cached_tokens == 0
+    assert b.block_table == [] and b.num_shared_tokens == 0
     assert [manager.ref_counts[x] for x in cached] == [0, 0]
     assert manager.num_free_blocks == 2 and manager.num_evictable_blocks == 2
     assert in_trie(manager, cached) == [True, True] and manager.evictions == 0
@@ -378,7 +378,7 @@ def test_reusing_a_cached_prefix_makes_it_recent_again() -> None:
     manager.free(a)
     manager.free(b)
     again = run(manager, tokens(0, 2 * BS) + [7])  # hits a's two blocks, takes one plain block
-    assert again.block_table[:2] == a_chain and again.num_cached_tokens == 2 * BS
+    assert again.block_table[:2] == a_chain and again.num_shared_tokens == 2 * BS
     manager.free(again)  # a's prefix is now newer than b's
     assert manager.num_evictable_blocks == 4
     held: list[FakeSeq] = []

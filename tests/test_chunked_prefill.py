@@ -58,7 +58,7 @@ def test_cached_prefix_then_chunks_that_do_not_start_on_a_block_boundary(tiny_ch
     again = run_in_waves(engine, prompts, counts)  # every prompt now starts with cached blocks
     expected = [hf_greedy(p, n) for p, n in zip(prompts, counts)]
     assert [s.completion_ids for s in first] == [s.completion_ids for s in again] == expected
-    assert all(s.num_cached_tokens >= 2 * BLOCK for s in again)
+    assert all(s.num_shared_tokens >= 2 * BLOCK for s in again)
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])

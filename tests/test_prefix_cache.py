@@ -42,7 +42,7 @@ def test_fully_cached_prompt_still_computes_its_last_token(tiny_checkpoint, hf_g
     again = Sequence(list(prompt), GREEDY)
     engine.add(again)
     engine.step()
-    assert again.num_cached_tokens == 2 * BLOCK  # the last block is recomputed for its logits
+    assert again.num_shared_tokens == 2 * BLOCK  # the last block is recomputed for its logits
     while engine.has_work():
         engine.step()
     assert first == again.completion_ids == hf_greedy(prompt, GREEDY.max_tokens)

@@ -40,7 +40,7 @@ def test_prompt_logprobs_equal_transformers_after_the_prompts_were_cached(
     run_checked(engine, seqs)
     for seq, n in zip(seqs, lengths):
         assert_equal_to_transformers(seq, hf_prompt_logprobs)
-        assert seq.num_cached_tokens == 0  # computed, not read from the cache
+        assert seq.num_shared_tokens == 0  # computed, not read from the cache
         assert seq.completion_ids == (hf_greedy(seq.token_ids[: seq.num_prompt_tokens], n) if n else [])
         assert seq.finish_reason == "length"
 
@@ -55,7 +55,7 @@ def test_prompt_logprob_requests_still_fill_the_cache_for_others(tiny_checkpoint
     for prompt in distinct:
         plain = Sequence(list(prompt), SamplingParams(max_tokens=1))
         run_checked(engine, [plain])
-        assert plain.num_cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+        assert plain.num_shared_tokens == (len(prompt) - 1) // BLOCK * BLOCK
 
 
 def test_prompt_logprobs_survive_preemption_mid_prompt(tiny_checkpoint, hf_prompt_logprobs):

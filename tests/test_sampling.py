@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from generate.noise import id_hashes, log_uniforms, row_key
 from generate.race import exponential_race
 from generate.sampler import Sampler
-from generate.sampling import SamplingRow, SamplingTensors, adjust_logits, sample
+from generate.sampling_ops import SamplingRow, SamplingTensors, adjust_logits, sample
 from generate.sequence import SamplingParams, Sequence
 
 CPU = torch.device("cpu")
