@@ -35,7 +35,8 @@ from model.gpt2 import StepBatch
 MODES = {
     "exact": {},
     "int8-kv": dict(kv_cache_dtype="int8"),
-    "fp8-kv": dict(kv_cache_dtype="fp8"),
+    "fp8-kv": dict(kv_cache_dtype="fp8"),  # e4m3
+    "fp8_e5m2-kv": dict(kv_cache_dtype="fp8_e5m2"),
     "int8-weights": dict(quantization="int8"),
     "int8-both": dict(kv_cache_dtype="int8", quantization="int8"),
 }
