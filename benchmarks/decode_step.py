@@ -20,11 +20,13 @@ ASYNC_SCHEDULING, DEVICE, DTYPE), so the same command measures each backend:
     DEVICE=cuda python -m benchmarks.decode_step --profile     # and a profiler's table of one decode step per batch
     DEVICE=cuda python -m benchmarks.decode_step --sweep --batch-sizes 32,128,256   # the kernel's knobs instead
     python -m benchmarks.decode_step --model gpt2 --ops --batch-sizes 64 --context 256   # CPU kernels alone
+    python -m benchmarks.decode_step --model gpt2 --ops --batch-sizes 64 --kv-cache-dtype int8   # over an int8 cache
 
 --ops times the CPU kernels (model/cpu_attention.cpp) alone, every layer's cache in turn (a pool far past the
 last-level cache, as a step reads it): storing a step's keys and values (one row per sequence, and a prompt chunk
 of --context rows) and a decode row's attention per sequence, each in GB/s of the bytes it must move against a
-large copy's.
+large copy's. Over an int8 cache (--kv-cache-dtype int8, or KV_CACHE_DTYPE) those bytes are the int8 rows and
+their float32 scales (one per token and head), and a store reads rows in the model's dtype and writes them quantized.
 """
 
 import argparse
@@ -38,6 +40,7 @@ from config import EngineSettings
 from generate.engine import Engine, device_and_dtype, set_products
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
+from model.attention import CACHE_DTYPES
 from model.gpt2 import GPT, PRESETS, GPTConfig
 from model.loader import load_model
 
@@ -60,15 +63,19 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--heads", type=int, help="--sweep: attention heads (default: the model's)")
     parser.add_argument("--ops", action="store_true", help="time the CPU kernels alone instead (store, attention)")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "int8"), help="the cache's dtype (default: KV_CACHE_DTYPE's, or auto)"
+    )
     return parser.parse_args()
 
 
-def step_bytes(model: GPT, dtype: torch.dtype, batch: int, context: float) -> float:
-    """What one decode step must move: every weight once, each sequence's cache read, its new key/value written."""
+def step_bytes(model: GPT, dtype: torch.dtype, batch: int, context: float, cache: torch.dtype | None = None) -> float:
+    """What one decode step must move: every weight once, each sequence's cache read, its new key/value written
+    (in `cache`'s dtype with their scales, None: the model's)."""
     element = torch.tensor([], dtype=dtype).element_size()
     with torch.device("meta"):  # the float model's parameters: the products' own modules hold theirs in other forms
         weights = sum(p.numel() for p in GPT(model.config).parameters()) * element  # the tied LM head counted once
-    return weights + batch * (context + 1) * model.config.kv_bytes_per_token(dtype)
+    return weights + batch * (context + 1) * model.config.kv_bytes_per_token(dtype, cache)
 
 
 def synchronize(device: torch.device) -> None:
@@ -95,17 +102,32 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 10 * src.numel() / (time.perf_counter() - start)
 
 
-def time_ops(config: GPTConfig, dtype: torch.dtype, batch: int, context: int, bandwidth: float) -> None:
-    """Print the CPU kernels' ms per layer and GB/s: storing keys and values, and a decode step's attention."""
+def time_ops(
+    config: GPTConfig, dtype: torch.dtype, batch: int, context: int, bandwidth: float, cache_dtype: torch.dtype | None
+) -> None:
+    """Print the CPU kernels' ms per layer and GB/s: storing keys and values, and a decode step's attention, over a
+    cache in `dtype` or (cache_dtype int8) quantized."""
     from model import cpu_attention
-    from model.attention import paged_cache
+    from model.attention import LayerKV, paged_cache, paged_scales
 
     assert cpu_attention.available(), cpu_attention.build_problem()
     H, D, L, per_seq = config.n_head, config.head_dim, config.n_layer, -(-(context + 1) // BLOCK_SIZE)
-    cache = paged_cache(L, 2, blocks=batch * per_seq, block_size=BLOCK_SIZE, heads=H, head_dim=D, dtype=dtype)
-    cache.normal_()  # [L, 2, NB, bs, H, D], every page written before the clock starts
+    pool = dict(blocks=batch * per_seq, block_size=BLOCK_SIZE, heads=H)
+    cache = paged_cache(L, 2, **pool, head_dim=D, dtype=cache_dtype or dtype)  # [L, 2, NB, bs, H, D]
+    scales = paged_scales(L, 2, **pool, device="cpu") if cache_dtype else None  # [L, 2, NB, bs, H]
+    # every page written before the clock starts
+    if cache_dtype is None:
+        cache.normal_()
+    else:
+        cache.random_(-127, 128)
+        scales.uniform_(0.01, 0.02)
+    if scales is None:
+        layers = [LayerKV(k, v) for k, v in cache]
+    else:
+        layers = [LayerKV(k, v, k_scale, v_scale) for (k, v), (k_scale, v_scale) in zip(cache, scales)]
     tables = torch.randperm(batch * per_seq).view(batch, per_seq)  # [B, W]: blocks anywhere in the pool
-    row_bytes = H * D * cache.element_size()  # one token's keys (or values) in one layer
+    row_bytes = H * D * cache.element_size() + (H * 4 if cache_dtype else 0)  # a token's keys (or values) in a layer
+    row_in = H * D * torch.tensor([], dtype=dtype).element_size()  # a new row, as the model computes it
 
     def per_layer(run, repeats: int) -> float:
         run(0)
@@ -116,15 +138,15 @@ def time_ops(config: GPTConfig, dtype: torch.dtype, batch: int, context: int, ba
         return (time.perf_counter() - start) / (repeats * L)
 
     def store(rows: torch.Tensor, slots: torch.Tensor) -> tuple[float, float]:  # seconds, bytes/s
-        seconds = per_layer(lambda i: torch.ops.gpt2_cpu.store_kv(cache[i, 0], cache[i, 1], rows, rows, slots), 20)
-        return seconds, 2 * 2 * rows.shape[0] * row_bytes / seconds  # keys and values, read and written
+        seconds = per_layer(lambda i: cpu_attention.CpuAttention.store(layers[i], rows, rows, slots), 20)
+        return seconds, 2 * rows.shape[0] * (row_in + row_bytes) / seconds  # keys and values, read and written
 
     new = torch.randn(max(batch, context), H, D).to(dtype)  # [T, H, D]
     decode_slots = tables[:, -1] * BLOCK_SIZE  # each sequence's last block
     chunk_slots = tables[0, :].repeat_interleave(BLOCK_SIZE)[:context] * BLOCK_SIZE + torch.arange(context) % BLOCK_SIZE
     q, lens = torch.randn(batch, H, D).to(dtype), torch.full((batch,), context)
     query_start = torch.arange(batch + 1)
-    attend = lambda i: cpu_attention._kernel(q, cache[i, 0], cache[i, 1], query_start, lens, tables, D**-0.5)  # noqa: E731
+    attend = lambda i: cpu_attention._kernel(q, layers[i], query_start, lens, tables, D**-0.5)  # noqa: E731
     attention = per_layer(attend, 3)
     rows = [
         ("store_kv, a decode row per sequence", *store(new[:batch], decode_slots)),
@@ -132,7 +154,7 @@ def time_ops(config: GPTConfig, dtype: torch.dtype, batch: int, context: int, ba
         (f"attention, a decode row per sequence over {context} keys", attention,
          2 * batch * context * row_bytes / attention),
     ]  # fmt: skip
-    print(f"batch {batch}: op | ms a layer | GB/s | of a copy's {bandwidth / 1e9:.1f}")
+    print(f"batch {batch}, {cache.dtype} cache: op | ms a layer | GB/s | of a copy's {bandwidth / 1e9:.1f}")
     for name, seconds, rate in rows:
         print(f"  {name} | {1000 * seconds:.4f} | {rate / 1e9:.1f} | {100 * rate / bandwidth:.0f}%")
 
@@ -206,7 +228,10 @@ def profile_step(engine: Engine, device: torch.device, batch: int) -> str:
 def main() -> None:
     args = parse_args()
     settings = EngineSettings.from_env()
+    if args.kv_cache_dtype:
+        settings = replace(settings, kv_cache_dtype=args.kv_cache_dtype)
     device, dtype = device_and_dtype(settings)
+    cache_dtype = CACHE_DTYPES[settings.kv_cache_dtype]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.sweep:
         from benchmarks.kernel_sweep import sweep  # needs triton
@@ -220,7 +245,7 @@ def main() -> None:
         bandwidth = args.bandwidth or copy_bandwidth(device)
         print(f"{args.model}'s CPU kernels, {dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
         for batch in batch_sizes:
-            time_ops(PRESETS[args.model], dtype, batch, args.context, bandwidth)
+            time_ops(PRESETS[args.model], dtype, batch, args.context, bandwidth, cache_dtype)
         return
     model = load_model(f"random:{args.model}", device, dtype).model
     set_products(model, settings, device, dtype)  # as the server does (Engine.from_settings)
@@ -233,12 +258,13 @@ def main() -> None:
         if i == 0:
             graphs = "on" if engine.runner.graphs else "off"
             products = f"CPU_LINEAR={settings.cpu_linear}; QUANTIZATION={settings.quantization or 'none'}"
-            print(f"attention: {engine.runner.attention}; CUDA graphs: {graphs}; {products}")
+            cache = f"KV_CACHE_DTYPE={settings.kv_cache_dtype}"
+            print(f"attention: {engine.runner.attention}; {cache}; CUDA graphs: {graphs}; {products}")
             print(
                 "batch | context | step ms |   tok/s | floor ms | floor/step | schedule | build | forward | sample (ms)"
             )
         seconds, stages, context = time_decode(engine, model, batch, args.context, args.steps, new_tokens, args.profile)
-        floor = step_bytes(model, dtype, batch, context) / bandwidth
+        floor = step_bytes(model, dtype, batch, context, cache_dtype) / bandwidth
         parts = " | ".join(
             f"{1000 * stages.get(stage, 0.0):.2f}" for stage in ("schedule", "build", "forward", "sample")
         )

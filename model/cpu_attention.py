@@ -10,6 +10,9 @@ extension cache; where that cannot happen, `available()` says why and the engine
 A prompt chunk's rows (LONG_RUN or more of one sequence) go instead to torch's fused attention on that
 sequence's keys and values copied out once: there the copy is small beside the work, which blocked products
 do faster than the kernel's one dot product per row and key.
+
+The cache is in the model's dtype or int8 (KV_CACHE_DTYPE=int8, model/attention.py's LayerKV): the kernel stores
+rows quantized and reads them times their scales; a long run's copied blocks are dequantized first.
 """
 
 import fcntl
@@ -26,7 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from model.attention import LayerKV, PagedInputs
+from model.attention import LayerKV, PagedInputs, dequantize
 from model.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -100,7 +103,7 @@ HEAD_DIMS = (8, 16, 32, 64, 128)  # compiled in (cpu_attention.cpp's attend_any)
 
 def fits(dtype: torch.dtype, head_dim: int, cache: torch.dtype | None = None) -> bool:
     """Whether the kernel computes in `dtype` over a cache of `cache` (None: the model's dtype)."""
-    return dtype in (torch.float32, torch.bfloat16) and head_dim in HEAD_DIMS and cache is None
+    return dtype in (torch.float32, torch.bfloat16) and head_dim in HEAD_DIMS and cache in (None, torch.int8)
 
 
 class LongRun(NamedTuple):
@@ -155,46 +158,52 @@ class CpuAttention:
     @staticmethod
     def store(cache: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Each new key and value row copied to its slot (an indexed write into the head-major cache scatters
-        element by element: 13 of a 300 ms step at batch 64)."""
-        torch.ops.gpt2_cpu.store_kv(cache.k, cache.v, k, v, slots)
+        element by element: 13 of a 300 ms step at batch 64), quantized on the way into an int8 cache."""
+        torch.ops.gpt2_cpu.store_kv(cache.k, cache.v, k, v, slots, cache.k_scale, cache.v_scale)
 
     def attend(self, q: torch.Tensor, cache: LayerKV) -> torch.Tensor:
         """q [T, H, D] (the head dimension contiguous), caches [NB, bs, H, D] -> [T, H*D]."""
-        k_cache, v_cache = cache.k, cache.v
         p = self.paged
         scale = q.shape[-1] ** -0.5
         if p.max_query_len < LONG_RUN:  # decodes and short chunks: the kernel takes every row
-            return _kernel(q, k_cache, v_cache, p.query_start, p.context_lens, p.block_tables, scale)
+            return _kernel(q, cache, p.query_start, p.context_lens, p.block_tables, scale)
         if self.parts is None:
-            self.parts = split(p, k_cache.shape[1])
+            self.parts = split(p, cache.k.shape[1])
         s = self.parts
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H*D]
         if s.rows.numel():
-            out[s.rows] = _kernel(q[s.rows], k_cache, v_cache, s.query_start, s.context_lens, s.block_tables, scale)
+            out[s.rows] = _kernel(q[s.rows], cache, s.query_start, s.context_lens, s.block_tables, scale)
         for run in s.long:
-            out[run.start : run.end] = _dense(q[run.start : run.end], k_cache, v_cache, run, scale)
+            out[run.start : run.end] = _dense(q[run.start : run.end], cache, run, scale)
         return out
 
 
 def _kernel(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     query_start: torch.Tensor,
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """The C++ kernel over every row of q: [T, H, D] -> [T, H*D]."""
-    return torch.ops.gpt2_cpu.paged_attention(q, k_cache, v_cache, query_start, context_lens, block_tables, scale)
+    args = (q, cache.k, cache.v, query_start, context_lens, block_tables, scale, cache.k_scale, cache.v_scale)
+    return torch.ops.gpt2_cpu.paged_attention(*args)
 
 
-def _dense(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, run: LongRun, scale: float) -> torch.Tensor:
-    """One sequence's long run of query rows by torch's fused attention on its keys and values copied out whole:
-    [Lq, H, D] -> [Lq, H*D]."""
+def _dense(q: torch.Tensor, cache: LayerKV, run: LongRun, scale: float) -> torch.Tensor:
+    """One sequence's long run of query rows by torch's fused attention on its keys and values copied out whole (an
+    int8 cache's dequantized in the queries' dtype, as the reference backend reads them): [Lq, H, D] -> [Lq, H*D]."""
     Lq, H, D = q.shape
-    # [NB, bs, H, D] -> [H, NB, bs, D] (the head-major cache's own order) -> [H, nb, bs, D] -> [1, H, keys, D]
-    k, v = (c.movedim(2, 0).index_select(1, run.blocks).flatten(1, 2)[None, :, : run.keys] for c in (k_cache, v_cache))
+
+    def copied(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        # [NB, bs, H, D] -> [H, NB, bs, D] (the head-major cache's own order) -> [H, nb, bs, D] -> [1, H, keys, D]
+        x = values.movedim(2, 0).index_select(1, run.blocks)  # [H, nb, bs, D]
+        if scales is not None:  # [NB, bs, H] -> [H, nb, bs], the same blocks' scales
+            x = dequantize(x, scales.movedim(2, 0).index_select(1, run.blocks), q.dtype)
+        return x.flatten(1, 2)[None, :, : run.keys]
+
+    k, v = copied(cache.k, cache.k_scale), copied(cache.v, cache.v_scale)
     # [1, H, ...]: torch's fused CPU kernel takes four dimensions (with three it falls back to plain products)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=run.mask, scale=scale)  # [1,H,Lq,D]
     return out[0].transpose(0, 1).reshape(Lq, H * D)

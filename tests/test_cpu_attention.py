@@ -1,5 +1,6 @@
 """The C++ paged-attention kernel for CPUs against attention written from scratch, and the engine through it
-against transformers."""
+against transformers; over an int8 cache, against attention over the cache it dequantizes to and over the values it
+quantized, and its store against model.attention.quantize."""
 
 import os
 import shutil
@@ -10,19 +11,23 @@ from pathlib import Path
 import pytest
 import torch
 from attention_oracle import LAYOUTS, SHAPES, D, H, dense_attention, random_cache, scheduled
+from conftest import random_prompts
 from test_model import check_greedy_under_pressure, make_engine
 
 from config import EngineSettings
+from generate.llm import LLM, SamplingParams
 from generate.model_runner import ModelRunner
+from generate.sequence import Sequence
 from generate.step_input import build_step_inputs
 from model import cpu_attention
-from model.attention import LayerKV
+from model.attention import LayerKV, dequantize, paged_cache, paged_scales, quantize
 from model.gpt2 import GPT, GPTConfig
 
 if not cpu_attention.available():
     pytest.skip(f"the kernel does not build here: {cpu_attention.build_problem()}", allow_module_level=True)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+LONG_RUN = cpu_attention.LONG_RUN
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +69,8 @@ def runner(n_embd: int, dtype: torch.dtype = torch.float32, **settings) -> Model
 def test_auto_takes_the_kernel_on_a_cpu_where_it_fits():
     assert runner(32).attention == "cpu"  # head dimension 16
     assert runner(32, torch.bfloat16).attention == "cpu"
+    assert runner(32, kv_cache_dtype="int8").attention == "cpu"
+    assert runner(32, torch.bfloat16, kv_cache_dtype="int8").attention == "cpu"
     assert runner(96).attention == "reference"  # 48 is not compiled in
     assert runner(32, attention_backend="reference").attention == "reference"
     with pytest.raises(ValueError, match="head dimension of 8, 16, 32, 64, 128: not cpu, torch.float32, 48"):
@@ -96,11 +103,7 @@ def test_kernel_reads_no_slot_past_a_sequence_context(dtype, block_size):
     seqs = scheduled(block_size, num_blocks=600, shapes=shapes, seed=3)
     gen = torch.Generator().manual_seed(1)
     caches = [random_cache("head-major", 600, block_size, gen).to(dtype) for _ in range(2)]
-    held = torch.zeros(600, block_size, dtype=torch.bool)  # [NB, bs]
-    for seq in seqs:
-        held.view(-1)[torch.tensor(seq.block_table)[:, None] * block_size + torch.arange(block_size)] = True
-        last, used = seq.block_table[-1], (seq.num_computed_tokens + seq.num_scheduled_tokens - 1) % block_size + 1
-        held[last, used:] = False
+    held = held_slots(seqs, 600, block_size)
     for cache in caches:
         cache[~held] = float("nan")
     rows = sum(s.num_scheduled_tokens for s in seqs)
@@ -108,3 +111,149 @@ def test_kernel_reads_no_slot_past_a_sequence_context(dtype, block_size):
     expected = dense_attention(q, *caches, seqs, block_size)
     got = cpu_attention.CpuAttention(build_step_inputs(seqs, block_size, CPU).paged).attend(q, LayerKV(*caches))
     torch.testing.assert_close(got.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def held_slots(seqs: list[Sequence], num_blocks: int, block_size: int) -> torch.Tensor:
+    """[NB, bs] True at each slot of a sequence's context: the slots the kernel may read."""
+    held = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for seq in seqs:
+        held.view(-1)[torch.tensor(seq.block_table)[:, None] * block_size + torch.arange(block_size)] = True
+        last, used = seq.block_table[-1], (seq.num_computed_tokens + seq.num_scheduled_tokens - 1) % block_size + 1
+        held[last, used:] = False
+    return held
+
+
+def int8_cache(held: torch.Tensor, heads: int, head_dim: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random keys or values [NB, bs, H, D] (rows of many magnitudes, so of many scales), and the same as the engine
+    stores them: (values float32, int8 [NB, bs, H, D] head by head, scales [NB, bs, H]). Every slot outside `held` is
+    NaN in the values and the scales, and -128 (which quantize never writes) in the int8 data."""
+    num_blocks, block_size = held.shape
+    x = torch.randn((num_blocks, block_size, heads, head_dim), generator=gen)
+    x *= 0.1 + 4 * torch.rand((num_blocks, block_size, heads, 1), generator=gen)
+    stored, scale = quantize(x.view(-1, heads, head_dim), torch.int8)  # [NB*bs, H, D], [NB*bs, H]
+    data = paged_cache(blocks=num_blocks, block_size=block_size, heads=heads, head_dim=head_dim, dtype=torch.int8)
+    scales = paged_scales(blocks=num_blocks, block_size=block_size, heads=heads, device=CPU)
+    data.view(-1, heads, head_dim).copy_(stored)
+    scales.view(-1, heads).copy_(scale)
+    x[~held], data[~held], scales[~held] = float("nan"), -128, float("nan")
+    return x, data, scales
+
+
+def attention64(q, k, v, seqs, block_size, scales=None, rounding=0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of each sequence's rows over its keys in [NB, bs, H, D] caches (any H and D), in float64,
+    written from scratch: [T, H*D]. With `scales` (k_scale, v_scale [NB, bs, H] of an int8 copy of these caches),
+    also how far attention over that copy can be from this, element by element [T, H*D]:
+
+    A stored value is round(x / s) with s = max|x| / 127 over its row, so it reads back within s / 2 of x; a reader
+    that dequantizes into a dtype of unit roundoff u (`rounding`) rounds it once more, by at most 127 s u: within
+    c s of x, c = 1/2 + 127 u. A score q . k / sqrt(D) then moves by at most e = c sum|q| s_k / sqrt(D); with every
+    score of a row within delta = max e of its own, each probability changes by a factor within exp(+-2 delta) (its
+    own exponential by e^+-delta, their sum by as much), so by at most p (e^(2 delta) - 1). The output sum_t p_t v_t
+    then moves by at most (e^(2 delta) - 1) sum_t p_t |v_t| (the probabilities) + e^(2 delta) sum_t p_t c s_v (the
+    values)."""
+    _, _, heads, dim = k.shape
+    outputs, bounds, row = [], [], 0
+    for seq in seqs:
+        n, context = seq.num_scheduled_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+        blocks = torch.tensor(seq.block_table)
+        keys, values = (c[blocks].reshape(-1, heads, dim)[:context].double() for c in (k, v))  # [context, H, D]
+        queries = q[row : row + n].double()  # [n, H, D]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) / dim**0.5  # [H, n, context]
+        later = torch.arange(context)[None, :] > torch.arange(context - n, context)[:, None]  # [n, context]
+        probs = scores.masked_fill(later, float("-inf")).softmax(-1)  # [H, n, context]
+        outputs.append(torch.einsum("hqk,khd->qhd", probs, values).reshape(n, heads * dim))
+        if scales is not None:
+            c = 0.5 + 127 * rounding
+            k_scale, v_scale = (s[blocks].reshape(-1, heads)[:context].double() for s in scales)  # [context, H]
+            error = c * queries.abs().sum(-1).T[:, :, None] * k_scale.T[:, None, :] / dim**0.5  # [H, n, context]
+            grow = torch.expm1(2 * error.amax(-1))[..., None]  # [H, n, 1]
+            moved = grow * torch.einsum("hqk,khd->hqd", probs, values.abs())  # [H, n, D]
+            moved += (1 + grow) * torch.einsum("hqk,kh->hq", probs, c * v_scale)[..., None]
+            bounds.append(moved.transpose(0, 1).reshape(n, heads * dim))
+        row += n
+    return torch.cat(outputs), torch.cat(bounds) if scales is not None else None
+
+
+@pytest.mark.parametrize("shapes", SHAPES)  # decodes, chunks (one of them a long run), a 1024-token prompt
+@pytest.mark.parametrize("dtype", TOLERANCE)
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("head_dim", [64, 16])  # 64 on AVX-512 runs the vector path, 16 the scalar one everywhere
+def test_kernel_over_an_int8_cache(shapes, dtype, block_size, head_dim):
+    """(a) Against attention over the cache dequantized, to the kernel's float tolerance: exactly (in float64) for the
+    kernel's rows, which scale the int8 values in float32, and in the queries' dtype for a long run's, which torch's
+    fused attention reads as the reference backend does (model.attention.dequantize); the same numbers summed in
+    another order. (b) Against attention over the values before quantization, within the bound attention64 derives
+    from the quantization error. Every slot outside the contexts poisoned (NaN, -128)."""
+    seqs = scheduled(block_size, num_blocks=600, shapes=SHAPES[shapes], seed=len(shapes) + head_dim)
+    gen = torch.Generator().manual_seed(head_dim)
+    held = held_slots(seqs, 600, block_size)
+    (k, k_data, k_scale), (v, v_data, v_scale) = (int8_cache(held, H, head_dim, gen) for _ in range(2))
+    rows = sum(s.num_scheduled_tokens for s in seqs)
+    q = torch.randn((rows, 3 * H * head_dim), generator=gen).to(dtype)[:, : H * head_dim].view(rows, H, head_dim)
+    cache = LayerKV(k_data, v_data, k_scale, v_scale)
+    got = cpu_attention.CpuAttention(build_step_inputs(seqs, block_size, CPU).paged).attend(q, cache).double()
+    assert got.isfinite().all()
+
+    quantized = ((k_data, k_scale), (v_data, v_scale))
+    exact, _ = attention64(
+        q, *(data.double() * scale.double()[..., None] for data, scale in quantized), seqs, block_size
+    )
+    as_read, _ = attention64(q, *(dequantize(data, scale, dtype) for data, scale in quantized), seqs, block_size)
+    long = torch.cat([torch.full((s.num_scheduled_tokens, 1), s.num_scheduled_tokens >= LONG_RUN) for s in seqs])
+    torch.testing.assert_close(got, torch.where(long, as_read, exact), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+    rounding = torch.finfo(dtype).eps / 2  # a long run's copy in the queries' dtype
+    unquantized, bound = attention64(q, k, v, seqs, block_size, scales=(k_scale, v_scale), rounding=rounding)
+    allowed = bound + TOLERANCE[dtype] * (1 + unquantized.abs())  # and the kernel's own rounding, as in (a)
+    assert ((got - unquantized).abs() <= allowed).all(), ((got - unquantized).abs() - allowed).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 16, 8])  # 8: no whole vector of 16, the scalar quantization
+def test_store_quantizes_each_row_into_its_slot_and_nothing_else(dtype, head_dim):
+    """Each (row, head) as model.attention.quantize writes it, in its slot: the scale to the bit (the same float32
+    operations), the values within one (the kernel multiplies by the scale's reciprocal, quantize divides by it:
+    x / scale within a rounding error of a half can round either way). Every other slot keeps its poison."""
+    num_blocks, block_size, heads, rows = 40, 4, 3, 50
+    gen = torch.Generator().manual_seed(head_dim)
+    data = [paged_cache(blocks=40, block_size=4, heads=heads, head_dim=head_dim, dtype=torch.int8) for _ in range(2)]
+    scales = [paged_scales(blocks=40, block_size=4, heads=heads, device=CPU) for _ in range(2)]
+    for tensor, poison in ((data[0], -128), (data[1], -128), (scales[0], float("nan")), (scales[1], float("nan"))):
+        tensor.fill_(poison)
+    k, v = (torch.randn((rows, 3 * heads * head_dim), generator=gen) for _ in range(2))  # strided, as the model's
+    k, v = (x[:, : heads * head_dim].view(rows, heads, head_dim) for x in (k, v))
+    k[:, 0] *= torch.logspace(-3, 4, rows)[:, None]  # head 0's rows from a thousandth to ten thousand
+    k[0], v[1] = 0, 0  # a row of zeros: scale 1
+    ties = torch.tensor([127.0, 2.5, 3.5, -0.5, -1.5, 0.5, 126.5, -126.5])  # scale 1: halves, to even
+    k[2, 1] = ties.repeat(head_dim // 8)
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    cpu_attention.CpuAttention.store(LayerKV(*data, *scales), k, v, slots)
+
+    for x, stored, scale in ((k, data[0], scales[0]), (v, data[1], scales[1])):
+        expected, expected_scale = quantize(x, torch.int8)  # [T, H, D], [T, H]
+        got = stored.view(-1, heads, head_dim)[slots]
+        assert (got.int() - expected.int()).abs().max() <= 1
+        assert torch.equal(scale.view(-1, heads)[slots], expected_scale)
+        others = torch.ones(num_blocks * block_size, dtype=torch.bool)
+        others[slots] = False
+        assert (stored.view(-1, heads, head_dim)[others] == -128).all()
+        assert scale.view(-1, heads)[others].isnan().all()
+    assert data[0].view(-1, heads, head_dim)[slots[2], 1].tolist() == [127, 2, 4, 0, -2, 0, 126, -126] * (head_dim // 8)
+    assert data[0].view(-1, heads, head_dim)[slots[0]].eq(0).all() and scales[0].view(-1, heads)[slots[0]].eq(1).all()
+
+
+def test_auto_takes_the_kernel_over_an_int8_cache_and_decodes_as_the_reference(tiny_checkpoint):
+    """The engine with KV_CACHE_DTYPE=int8: auto picks the kernel on a CPU, and its greedy tokens equal the reference
+    backend's over the same int8 cache (float32: the two differ in summation order alone). Prompts sharing a
+    prefix, chunked (some chunks long runs, to torch's fused attention) and decoding beside each other."""
+    (prefix,) = random_prompts([13], seed=41)
+    prompts = random_prompts([1, 30, 7, 50, 4, 70], seed=42, prefix=prefix)
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in (20, 9, 30, 12, 25, 16)]
+    tokens = {}
+    for backend in ("auto", "reference"):
+        settings = dict(dtype="float32", kv_cache_dtype="int8", kv_cache_blocks=96, block_size=4, max_batch_tokens=48)
+        llm = LLM(str(tiny_checkpoint), attention_backend=backend, **settings)
+        assert llm.engine.runner.attention == ("cpu" if backend == "auto" else "reference")
+        tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+    assert tokens["auto"] == tokens["reference"]

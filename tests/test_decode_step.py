@@ -63,16 +63,26 @@ def test_sweep_prints_every_knob_combination_with_the_default_first():
 
 
 @pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernel does not build here")
-def test_ops_prints_each_cpu_kernel_with_the_rate_its_bytes_and_time_give():
-    run = decode_step("--ops", "--model", "gpt2", "--batch-sizes", "2,3", "--context", "40", DTYPE="float32")
+@pytest.mark.parametrize("cache", ["auto", "int8"])
+def test_ops_prints_each_cpu_kernel_with_the_rate_its_bytes_and_time_give(cache):
+    args = ("--ops", "--model", "gpt2", "--batch-sizes", "2,3", "--context", "40", "--kv-cache-dtype", cache)
+    run = decode_step(*args, DTYPE="float32")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert [line.split(":")[0] for line in run.stdout.splitlines() if line.startswith("batch")] == [
+        f"batch {batch}, {'torch.int8' if cache == 'int8' else 'torch.float32'} cache" for batch in (2, 3)
+    ]
     rows = [[c.strip() for c in line.split("|")] for line in run.stdout.splitlines() if line.startswith("  ")]
     assert [row[0] for row in rows] == 2 * [
         "store_kv, a decode row per sequence",
         "store_kv, a 40-token prompt chunk",
         "attention, a decode row per sequence over 40 keys",
     ]
+    # a token's keys (or values) in a layer: float32, or int8 with a float32 scale per head; a store reads float32
+    stored = 12 * 64 * 4 if cache == "auto" else 12 * 64 + 12 * 4
     for batch, (name, ms, gb_per_s, _) in zip((2, 2, 2, 3, 3, 3), rows, strict=True):
-        tokens = {"attention": batch * 40, "store_kv, a decode": 2 * batch, "store_kv, a 40": 2 * 40}
-        moved = 2 * 12 * 64 * 4 * next(n for start, n in tokens.items() if name.startswith(start))  # keys and values
+        if name.startswith("attention"):
+            moved = 2 * batch * 40 * stored  # keys and values read
+        else:
+            rows_stored = batch if name.startswith("store_kv, a decode") else 40
+            moved = 2 * rows_stored * (12 * 64 * 4 + stored)  # keys and values, read and written
         assert float(gb_per_s) == pytest.approx(moved / float(ms) / 1e6, rel=0.05, abs=0.15)  # both printed rounded

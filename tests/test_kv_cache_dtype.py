@@ -24,7 +24,7 @@ from generate.sequence import SamplingParams
 from model.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).parent.parent
-BACKENDS = ["reference"]
+BACKENDS = ["reference", "cpu"]
 
 
 def prompts() -> list[list[int]]:
