@@ -35,8 +35,9 @@ def test_the_cpu_of_a_servers_descendants_counts_as_the_servers():
         server.wait(timeout=30)
     used = cpu.usage(before, after)
     wall = after.wall_s - before.wall_s
-    # the burn, and at most the two interpreters' start-up besides
-    assert BURN_S <= used["server"] * wall < BURN_S + 0.5
+    # the burn, and at most the two interpreters' start-up besides; /proc counts in clock ticks where the burner
+    # timed itself exactly, so the count may fall a tick short of it
+    assert BURN_S - cpu.TICK_S <= used["server"] * wall < BURN_S + 0.5
     assert used["haproxy"] == 0 and used["client"] >= 0
     assert used["machine"] * wall >= 0.9 * BURN_S  # the machine was at least that busy (ticks are coarse)
     assert used["other"] == pytest.approx(max(0.0, used["machine"] - used["server"] - used["haproxy"] - used["client"]))
