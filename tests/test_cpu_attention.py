@@ -139,41 +139,6 @@ def int8_cache(held: torch.Tensor, heads: int, head_dim: int, gen: torch.Generat
     return x, data, scales
 
 
-def attention64(q, k, v, seqs, block_size, scales=None, rounding=0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal attention of each sequence's rows over its keys in [NB, bs, H, D] caches (any H and D), in float64,
-    written from scratch: [T, H*D]. With `scales` (k_scale, v_scale [NB, bs, H] of an int8 copy of these caches),
-    also how far attention over that copy can be from this, element by element [T, H*D]:
-
-    A stored value is round(x / s) with s = max|x| / 127 over its row, so it reads back within s / 2 of x; a reader
-    that dequantizes into a dtype of unit roundoff u (`rounding`) rounds it once more, by at most 127 s u: within
-    c s of x, c = 1/2 + 127 u. A score q . k / sqrt(D) then moves by at most e = c sum|q| s_k / sqrt(D); with every
-    score of a row within delta = max e of its own, each probability changes by a factor within exp(+-2 delta) (its
-    own exponential by e^+-delta, their sum by as much), so by at most p (e^(2 delta) - 1). The output sum_t p_t v_t
-    then moves by at most (e^(2 delta) - 1) sum_t p_t |v_t| (the probabilities) + e^(2 delta) sum_t p_t c s_v (the
-    values)."""
-    _, _, heads, dim = k.shape
-    outputs, bounds, row = [], [], 0
-    for seq in seqs:
-        n, context = seq.num_scheduled_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-        blocks = torch.tensor(seq.block_table)
-        keys, values = (c[blocks].reshape(-1, heads, dim)[:context].double() for c in (k, v))  # [context, H, D]
-        queries = q[row : row + n].double()  # [n, H, D]
-        scores = torch.einsum("qhd,khd->hqk", queries, keys) / dim**0.5  # [H, n, context]
-        later = torch.arange(context)[None, :] > torch.arange(context - n, context)[:, None]  # [n, context]
-        probs = scores.masked_fill(later, float("-inf")).softmax(-1)  # [H, n, context]
-        outputs.append(torch.einsum("hqk,khd->qhd", probs, values).reshape(n, heads * dim))
-        if scales is not None:
-            c = 0.5 + 127 * rounding
-            k_scale, v_scale = (s[blocks].reshape(-1, heads)[:context].double() for s in scales)  # [context, H]
-            error = c * queries.abs().sum(-1).T[:, :, None] * k_scale.T[:, None, :] / dim**0.5  # [H, n, context]
-            grow = torch.expm1(2 * error.amax(-1))[..., None]  # [H, n, 1]
-            moved = grow * torch.einsum("hqk,khd->hqd", probs, values.abs())  # [H, n, D]
-            moved += (1 + grow) * torch.einsum("hqk,kh->hq", probs, c * v_scale)[..., None]
-            bounds.append(moved.transpose(0, 1).reshape(n, heads * dim))
-        row += n
-    return torch.cat(outputs), torch.cat(bounds) if scales is not None else None
-
-
 @pytest.mark.parametrize("shapes", SHAPES)  # decodes, chunks (one of them a long run), a 1024-token prompt
 @pytest.mark.parametrize("dtype", TOLERANCE)
 @pytest.mark.parametrize("block_size", [16, 4])
@@ -182,8 +147,10 @@ def test_kernel_over_an_int8_cache(shapes, dtype, block_size, head_dim):
     """(a) Against attention over the cache dequantized, to the kernel's float tolerance: exactly (in float64) for the
     kernel's rows, which scale the int8 values in float32, and in the queries' dtype for a long run's, which torch's
     fused attention reads as the reference backend does (model.attention.dequantize); the same numbers summed in
-    another order. (b) Against attention over the values before quantization, within the bound attention64 derives
-    from the quantization error. Every slot outside the contexts poisoned (NaN, -128)."""
+    another order. (b) Against attention over the values before quantization, within the bound dense_attention derives
+    from the quantization error: a stored value reads back within s / 2 of x (s its row's max|x| / 127), and a
+    reader that dequantizes into a dtype of unit roundoff u rounds it once more, by at most 127 s u: within
+    (1/2 + 127 u) s. Every slot outside the contexts poisoned (NaN, -128)."""
     seqs = scheduled(block_size, num_blocks=600, shapes=SHAPES[shapes], seed=len(shapes) + head_dim)
     gen = torch.Generator().manual_seed(head_dim)
     held = held_slots(seqs, 600, block_size)
@@ -195,15 +162,16 @@ def test_kernel_over_an_int8_cache(shapes, dtype, block_size, head_dim):
     assert got.isfinite().all()
 
     quantized = ((k_data, k_scale), (v_data, v_scale))
-    exact, _ = attention64(
+    exact = dense_attention(
         q, *(data.double() * scale.double()[..., None] for data, scale in quantized), seqs, block_size
     )
-    as_read, _ = attention64(q, *(dequantize(data, scale, dtype) for data, scale in quantized), seqs, block_size)
+    as_read = dense_attention(q, *(dequantize(data, scale, dtype) for data, scale in quantized), seqs, block_size)
     long = torch.cat([torch.full((s.num_scheduled_tokens, 1), s.num_scheduled_tokens >= LONG_RUN) for s in seqs])
     torch.testing.assert_close(got, torch.where(long, as_read, exact), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
     rounding = torch.finfo(dtype).eps / 2  # a long run's copy in the queries' dtype
-    unquantized, bound = attention64(q, k, v, seqs, block_size, scales=(k_scale, v_scale), rounding=rounding)
+    errors = [(0.5 + 127 * rounding) * scale.double()[..., None].expand(k.shape) for scale in (k_scale, v_scale)]
+    unquantized, bound = dense_attention(q, k, v, seqs, block_size, errors)
     allowed = bound + TOLERANCE[dtype] * (1 + unquantized.abs())  # and the kernel's own rounding, as in (a)
     assert ((got - unquantized).abs() <= allowed).all(), ((got - unquantized).abs() - allowed).max()
 

@@ -199,35 +199,6 @@ def quantization_error(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.d
     return error + (x.abs() + error) * torch.finfo(dtype).eps / 2
 
 
-def quantized_attention_bound(q, k_cache, v_cache, seqs, block_size, cache_dtype) -> torch.Tensor:
-    """How far attention over the quantized cache may be from attention over the float one, row by row [N, H*D].
-
-    A key's element errs by at most e (quantization_error), so a score q.k / sqrt(D) by at most
-    m_j = sum_d |q_d| e_jd / sqrt(D); over the keys a row sees, M = max_j m_j. Scores moved by at most M move each
-    softmax probability by a factor within [e^-2M, e^2M]: |p'_j - p_j| <= (e^2M - 1) p_j. The output
-    sum_j p'_j v'_j against sum_j p_j v_j differs by sum_j (p'_j - p_j) v_j + sum_j p'_j (v'_j - v_j), so by at most
-    (e^2M - 1) sum_j p_j |v_j| + e^2M sum_j p_j e^v_j in each dimension: a bound, not an estimate (the errors'
-    signs would have to conspire to reach it; on random data int8's errors reach ~3/4 of it, where a row sees one key
-    and its error is its value's alone, float8's under a tenth). p from the float cache in float64."""
-    bounds, row = [], 0
-    for seq in seqs:
-        n, context = seq.num_scheduled_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-        blocks = torch.tensor(seq.block_table)
-        k = k_cache[blocks].reshape(-1, H, D)[:context].double()  # [context, H, D]
-        v = v_cache[blocks].reshape(-1, H, D)[:context].double()
-        q_rows = q[row : row + n].double()  # [n, H, D]
-        hidden = torch.arange(context)[None, None, :] > torch.arange(context - n, context)[None, :, None]  # [1, n, K]
-        scores = torch.einsum("qhd,khd->hqk", q_rows, k) / D**0.5
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)  # [H, n, K]
-        shift = torch.einsum("qhd,khd->hqk", q_rows.abs(), quantization_error(k, cache_dtype, q.dtype)) / D**0.5
-        most = shift.masked_fill(hidden, 0).amax(-1, keepdim=True)  # [H, n, 1] each row's M
-        weighted = torch.einsum("hqk,khd->hqd", probs, v.abs()) * (2 * most).expm1()  # [H, n, D]
-        values = torch.einsum("hqk,khd->hqd", probs, quantization_error(v, cache_dtype, q.dtype)) * (2 * most).exp()
-        bounds.append((weighted + values).transpose(0, 1).reshape(n, H * D))
-        row += n
-    return torch.cat(bounds)
-
-
 ROWS = KernelConfig(split_target_programs=0, decode_block_m=1)  # decode rows alone: products on CUDA cores (tl.sum)
 # Each kernel and path once: the tiled kernel's tl.dot over chunks and decodes, its one-row tiles over decodes (block
 # size 4: several blocks per loop iteration), the split kernel over partitions some of which are empty
@@ -259,10 +230,11 @@ def test_kernel_over_a_quantized_cache(cache, kernel, dtype):
     # (a) the values stored, times their scales, are what it attends over: the float kernels' tolerance
     expected = dense_attention(q, *dequantized, seqs, block_size)
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    # (b) against the float cache: within what quantization can move attention (quantized_attention_bound), plus
-    # the float kernels' tolerance for their arithmetic
-    expected = dense_attention(q, *values, seqs, block_size)
-    bound = quantized_attention_bound(q, *values, seqs, block_size, cache_dtype)
+    # (b) against the float cache: within what quantization can move attention (dense_attention's bound from each
+    # element's quantization_error; on random data int8's errors reach ~3/4 of it, where a row sees one key and its
+    # error is its value's alone, float8's under a tenth), plus the float kernels' tolerance for their arithmetic
+    errors = [quantization_error(x, cache_dtype, dtype) for x in values]
+    expected, bound = dense_attention(q, *values, seqs, block_size, errors)
     excess = (got - expected).abs() - bound - TOLERANCE[dtype] * (1 + expected.abs())
     assert excess.max() <= 0, f"{(excess > 0).sum()} values past the bound, by up to {excess.max():.3g}"
 
