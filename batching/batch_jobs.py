@@ -278,15 +278,20 @@ class BatchJobs:
         files = _files(batch)
         try:
             lines = _lines(self.store.content(batch["input_file_id"]))
-            done = self.store.done_lines(files["output"]) | self.store.done_lines(files["errors"])
+            completed, failed = self.store.done_lines(files["output"]), self.store.done_lines(files["errors"])
         except OSError as err:  # its input removed by hand, or unreadable
             with self._cond:
                 self._fail(batch, "file_unreadable", f"the batch's files cannot be read: {err}")
             return
-        todo = deque(number for number in lines if number not in done)
+        todo = deque(number for number in lines if number not in completed | failed)
         run = _Run(batch, lines, _first_lines(lines), todo, files["output"], files["errors"])
         with self._cond:
             self._runs[batch["id"]] = run
+            # The counts as the result files have them: a server killed between writing a result and saving the
+            # batch's counts left that result uncounted
+            counts = {**batch["request_counts"], "completed": len(completed), "failed": len(failed)}
+            if counts != batch["request_counts"]:
+                self._update(batch, request_counts=counts)
             if batch["status"] == "validating":
                 self._update(batch, status="in_progress", in_progress_at=int(time.time()))
 
