@@ -2,17 +2,20 @@
 
 import functools
 import logging
+import os
 import sys
+from collections.abc import Callable
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import batches, chat, dashboard, lora, openai, simple, stats, tenants, tokenize
+from api import batch_owner, batches, chat, dashboard, lora, openai, simple, stats, tenants, tokenize
 from api.chat_template import ChatTemplate
 from api.errors import ApiError
 from api.generation import Server
 from api.json_body import StrictJSONProvider, require_json
 from api.protocol import PRIORITY_LIMIT
+from batching import engine_process
 from batching.batch_jobs import BatchJobs
 from batching.batch_store import BatchStore
 from batching.engine_client import EngineClient
@@ -37,16 +40,14 @@ def create_app(settings: Settings | None = None) -> Flask:
         log.warning("%s", warning)
     template = ChatTemplate.load(settings.chat_template)  # a bad file stops the server before the model loads
     keys = tenants.load_keys(settings)  # so does a bad keys file
-    engine_settings = settings.engine
-    build = simulated_engine if engine_settings.engine == "sim" else Engine.from_settings
     if settings.switch_interval_ms:
         sys.setswitchinterval(settings.switch_interval_ms / 1000)
-    # each keyed tenant's fair-share weight and limits (max waiting, max running)
-    table = {t.name: (t.weight, t.max_waiting, t.max_running) for t in keys.tenants.values()} if keys else {}
+    build, table = engine_recipe(settings, keys)
     if settings.engine_process == "on":  # the engine in a process of its own; this one serves HTTP
-        manager = EngineClient(settings, functools.partial(build, engine_settings), table)
+        # several front ends (API_SERVER_COUNT): gunicorn's master started the engine (gunicorn.conf.py)
+        manager = EngineClient(settings, build, table, os.environ.get(engine_process.DIRECTORY_VARIABLE, ""))
     else:
-        manager = BatchingManager(functools.partial(build, engine_settings), settings)  # built on the loop's thread
+        manager = BatchingManager(build, settings)  # built on the loop's thread
         manager.engine.scheduler.fair.weights.update({name: weight for name, (weight, _, _) in table.items()})
         manager.admission.tenants.limits.update(
             {name: (waiting, running) for name, (_, waiting, running) in table.items()}
@@ -114,25 +115,41 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify(status="ready")
 
     # Last: a batch resumed from DATA_DIR sends its first request at once, and the app must be complete by then.
-    app.extensions["batch_jobs"] = _batch_jobs(app, settings, manager)
+    _batch_jobs(app, settings, manager)
     return app
 
 
-def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager | EngineClient) -> BatchJobs:
-    """The Batch API's runner: each request goes through the app's own endpoint, at the lowest priority,
-    for the tenant that created its batch."""
+def engine_recipe(settings: Settings, keys=None) -> tuple[Callable[[], Engine], dict[str, tuple[float, int, int]]]:
+    """What builds the engine (called on its loop's thread, in whichever process runs it), and each keyed
+    tenant's fair-share weight and limits (max waiting, max running)."""
+    keys = keys if keys is not None else tenants.load_keys(settings)
+    build = simulated_engine if settings.engine.engine == "sim" else Engine.from_settings
+    table = {t.name: (t.weight, t.max_waiting, t.max_running) for t in keys.tenants.values()} if keys else {}
+    return functools.partial(build, settings.engine), table
+
+
+def _batch_jobs(app: Flask, settings: Settings, manager: BatchingManager | EngineClient) -> None:
+    """The Batch API's runner, app.extensions["batch_jobs"]: each request goes through the app's own endpoint, at
+    the lowest priority, for the tenant that created its batch. With API_SERVER_COUNT > 1 one worker at a time
+    runs it, and the others forward the Batch API's requests to that one (api/batch_owner.py)."""
     client = app.test_client(use_cookies=False)
 
     def send(endpoint: str, body: dict, tenant: str) -> tuple[int, dict]:
         response = client.post(endpoint, json=body, environ_base={tenants.BATCH_TENANT: tenant})
         return response.status_code, response.get_json(silent=True)
 
-    jobs = BatchJobs(
-        BatchStore(settings.batch_api.data_dir),
-        send,
-        lambda: manager.alive,
-        PRIORITY_LIMIT,
-        settings.batch_api.batch_in_flight,
-    )
-    jobs.start()
-    return jobs
+    def start() -> BatchJobs:
+        jobs = BatchJobs(
+            BatchStore(settings.batch_api.data_dir),
+            send,
+            lambda: manager.alive,
+            PRIORITY_LIMIT,
+            settings.batch_api.batch_in_flight,
+        )
+        jobs.start()
+        return jobs
+
+    if settings.api_server_count > 1:
+        batch_owner.share(app, settings.batch_api, start)
+    else:
+        app.extensions["batch_jobs"] = start()

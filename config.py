@@ -206,6 +206,9 @@ class Settings:
     # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: "on" runs the engine (model, KV cache, scheduler, the loop) in a
     # process of its own (batching/engine_process.py), so no request thread's Python competes with its steps
     engine_process: str = "off"
+    # vLLM's --api-server-count: gunicorn workers (front ends: HTTP, tokenizing, rendering, streams), all on one
+    # engine process that the gunicorn master starts (batching/engine_process.py's EngineKeeper); 1: one worker
+    api_server_count: int = 1
     engine_stall_s: float = 30.0  # /health is 503 when work waits and no step finished for this long
     engine_first_step_s: float = 300.0  # ... the limit until the first step has finished (compiles, graphs)
     max_waiting_tokens: int = 0  # prompt tokens waiting (to compute) beyond which a request is refused; 0: no bound
@@ -235,6 +238,14 @@ class Settings:
             raise ValueError(f"SWITCH_INTERVAL_MS must be at least 0 (0: Python's), got {self.switch_interval_ms}")
         if self.engine_process not in ("on", "off"):
             raise ValueError(f"ENGINE_PROCESS must be on or off, got {self.engine_process!r}")
+        if self.api_server_count < 1:
+            raise ValueError(f"API_SERVER_COUNT must be at least 1, got {self.api_server_count}")
+        if self.api_server_count > 1 and self.engine_process != "on":
+            raise ValueError("API_SERVER_COUNT above 1 needs ENGINE_PROCESS=on: its front ends share one engine")
+        if self.api_server_count > 1 and self.engine_process != "on":
+            raise ValueError(
+                "API_SERVER_COUNT above 1 needs ENGINE_PROCESS=on: its front ends share one engine process"
+            )
         if self.stream_interval < 1:
             raise ValueError(f"STREAM_INTERVAL must be at least 1, got {self.stream_interval}")
         if self.front_door.limit_by == "key" and not self.keyed:

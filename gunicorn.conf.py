@@ -1,8 +1,13 @@
-"""gunicorn settings for server.sh: one worker holds the model; its threads hold requests."""
+"""gunicorn settings for server.sh: one worker holds the model (or API_SERVER_COUNT workers share the engine's
+process); a worker's threads hold requests."""
 
+import os
+import shutil
 import signal
 import sys
+import tempfile
 
+from batching import engine_process
 from config import Settings
 from model.loader import ModelLoadError, resolve_model
 from sim.engine import simulated_engine
@@ -13,7 +18,8 @@ except ValueError as err:  # a bad setting is one clear line, not a traceback
     sys.exit(f"error: {err}")
 
 bind = f"{settings.host}:{settings.port}"
-workers = 1  # one model, one KV cache, one batching loop
+# one model, one KV cache, one batching loop; API_SERVER_COUNT front ends (each a worker) share the one engine
+workers = settings.api_server_count
 worker_class = "gthread"
 # Every request in flight holds a thread while it waits on its event: too few threads
 # would silently cap the batch, so there is one for each request the server admits (running
@@ -55,3 +61,32 @@ def post_worker_init(worker) -> None:
         stop_worker(sig, frame)
 
     signal.signal(signal.SIGTERM, handle_exit)
+
+
+keeper: engine_process.EngineKeeper | None = None  # the master's (API_SERVER_COUNT > 1)
+
+
+def when_ready(server) -> None:
+    """API_SERVER_COUNT > 1: the master starts the one engine (batching/engine_process.py's keeper, which starts
+    another whenever it dies) before it forks the workers, each of them a front end of that engine. A bad
+    model is one line here."""
+    if settings.api_server_count == 1 or settings.engine_process != "on":
+        return  # the one worker starts its own engine (ENGINE_PROCESS=on) or holds it (off)
+    from app import engine_recipe
+
+    global keeper
+    directory = tempfile.mkdtemp(prefix="engine-")  # the sockets' directory: this user's alone (0700)
+    keeper = engine_process.EngineKeeper(settings, *engine_recipe(settings), directory)
+    try:
+        keeper.start()
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    os.environ[engine_process.DIRECTORY_VARIABLE] = directory  # the workers, forked after this, read it
+
+
+def on_exit(server) -> None:
+    """The master's end, its workers gone: its engine (API_SERVER_COUNT > 1) ends too."""
+    if keeper is not None:
+        keeper.stop()
+        shutil.rmtree(os.environ[engine_process.DIRECTORY_VARIABLE], ignore_errors=True)

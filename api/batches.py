@@ -40,6 +40,11 @@ def _scope() -> str | None:
     return None if caller.operator else caller.owner
 
 
+def upload_limit(settings: BatchApiSettings) -> int:
+    """The largest body an upload may have: the file and the multipart framing around it."""
+    return settings.batch_max_file_bytes + 64 * 1024
+
+
 def _over_quota(err: OverQuota, param: str) -> ApiError:
     return ApiError(429, str(err), "insufficient_quota", param)
 
@@ -48,7 +53,7 @@ def _over_quota(err: OverQuota, param: str) -> ApiError:
 def upload():
     settings = _settings()
     limit = settings.batch_max_file_bytes
-    request.max_content_length = limit + 64 * 1024  # the file and the multipart framing around it
+    request.max_content_length = upload_limit(settings)
     if request.form.get("purpose") != "batch":
         raise bad("'purpose' must be 'batch' (the only purpose this server takes)", "purpose")
     upload = request.files.get("file")

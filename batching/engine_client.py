@@ -1,18 +1,19 @@
 """The front end's side of the engine process (ENGINE_PROCESS=on): EngineClient stands where BatchingManager
 stands for the API (enqueue, cancel, ready, report, ...), over the engine in a process of its own
-(batching/engine_process.py), started with `spawn` so that no CUDA state or lock is ever forked.
+(batching/engine_process.py), started with `spawn` so that no CUDA state or lock is ever forked: by this worker
+(API_SERVER_COUNT=1), or by gunicorn's master, whose workers are then so many front ends of the one engine.
 
 Its bridge thread, in this process, receives the engine's messages (one per step, carrying every streaming
 completion's new tokens and text) and plays each out on the request's own Inference here: tokens appended to
 its sequence, a delta on its queue, and at its end the answer that sets its `threading.Event`, so the routes
 read a completion exactly as they do in one process. When the engine dies, every request in flight is answered
-with an error at once, /health is 503, and a new engine is started (each restart logged and counted).
+with an error at once, /health is 503, and its keeper starts a new engine (each restart logged and counted), to
+which the bridge says Hello until it answers.
 """
 
 import atexit
 import itertools
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 CALL_ERRORS = {e.__name__: e for e in (LoraError, LoraNotFound, LoraInUse, ValueError)}
 CALL_TIMEOUT_S = 10.0  # a report the engine has not answered by then is a 503
 STATUS_LATE_S = 2.0  # no status for this long: the engine's process is stuck
+HELLO_S = 0.2  # Hello again after this long without Ready: an engine starting may have missed it
+SHUT_DOWN = "the server shut down before this request finished"
+ENGINE_START_S = 600.0  # gunicorn's master builds the model before any worker starts: this is its margin
 
 
 class NamedAdapter(NamedTuple):
@@ -57,9 +61,13 @@ class NamedAdapter(NamedTuple):
 class Adapters:
     """generate.lora_registry.LoraRegistry's face for the API: loads and unloads done by the engine (`call`)."""
 
-    def __init__(self, adapters: list[tuple[str, str, int, int]], call: Callable):
-        self._by_name = {entry[0]: NamedAdapter(*entry) for entry in adapters}
+    def __init__(self, adapters: list[wire.Adapter], call: Callable):
         self._call = call
+        self.refresh(adapters)
+
+    def refresh(self, adapters: list[wire.Adapter]) -> None:
+        """The engine's list (a Status's): with several front ends, what another loaded or unloaded."""
+        self._by_name = {entry[0]: NamedAdapter(*entry) for entry in adapters}
 
     def get(self, name: str) -> NamedAdapter | None:
         return self._by_name.get(name)
@@ -98,32 +106,38 @@ class EngineClient:
     """The batching manager's interface, over an engine in another process; one bridge thread plays out its
     messages here."""
 
-    def __init__(self, settings: Settings, build_engine: Callable[[], Engine], tenants: dict[str, tuple]):
-        """Start the engine's process and wait for it to be built (its error raised here)."""
+    def __init__(
+        self, settings: Settings, build_engine: Callable[[], Engine], tenants: dict[str, tuple], directory: str = ""
+    ):
+        """Connect to the engine whose sockets are in `directory` (gunicorn's master keeps it), or with none, start
+        one of this worker's own; return once it has answered (a bad model raised here, as RuntimeError)."""
         self.settings, self.mode = settings, settings.mode
-        self._build, self._tenants = build_engine, tenants
-        self._dir = tempfile.mkdtemp(prefix="engine-")  # the sockets' directory: this user's alone (0700)
-        atexit.register(shutil.rmtree, self._dir, True)
-        self._addresses = (f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
+        self._keeper = None
+        if not directory:
+            directory = tempfile.mkdtemp(prefix="engine-")  # the sockets' directory: this user's alone (0700)
+            atexit.register(shutil.rmtree, directory, True)
+            self._keeper = engine_process.EngineKeeper(settings, build_engine, tenants, directory)
+            self._keeper.start()
+        self.client = os.getpid()
         self._context = zmq.Context()
         self._to_engine, self._from_engine = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
-        self._to_engine.bind(self._addresses[0])
-        self._from_engine.bind(self._addresses[1])
+        self._to_engine.connect(f"ipc://{directory}/in")
+        self._from_engine.bind(f"ipc://{directory}/out-{self.client}")
         self._send_lock = threading.Lock()  # request threads share the one socket to the engine
         self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[wire.FromEngine])
         self._ids = itertools.count(1)  # request and call ids, never reused (across restarts too)
         self._pending: dict[int, list[Inference]] = {}  # by request id, until every completion is answered
         self._rid: dict[Inference, int] = {}
         self._waiting: dict[int, Future] = {}  # acks and replies, by id
-        self._status = wire.Status("the engine process is starting", False, 0, 0)  # the engine's latest
+        self._status = wire.Status("the engine process is starting", False, 0, 0, [])  # the engine's latest
         self._status_at = 0.0
         self._stopping = False
         self.failure: str | None = None  # why no engine serves now (restarting)
-        self.restarts = 0
-        self._process, ready = self._start()
-        self._serving_from_now()
+        ready = self._connect(timeout_s=ENGINE_START_S)
         self.engine = EngineCard(ready, settings.engine, self.call)
-        self._bridge = threading.Thread(target=self._run, name=f"batching-{self.mode}-bridge", daemon=True)
+        self._serving(ready)
+        self._bridge = threading.Thread(target=self._run, args=(ready,), name=f"batching-{self.mode}-bridge")
+        self._bridge.daemon = True
         self._bridge.start()
 
     # --- request threads --------------------------------------------------------------
@@ -175,10 +189,11 @@ class EngineClient:
         self._pending[rid] = list(infs)
         self._rid.update((inference, rid) for inference in infs)
         try:
-            refusal = self._ask(rid, wire.Submit(rid, completions, stop, interval, first.priority, first.tenant, lora))
+            submit = wire.Submit(self.client, rid, completions, stop, interval, first.priority, first.tenant, lora)
+            refusal = self._ask(rid, submit)
         except NotServing:
             self._forget(rid)
-            self._send(wire.Cancel(rid, list(range(len(infs)))))  # in case it was queued after all
+            self._send(wire.Cancel(self.client, rid, list(range(len(infs)))))  # in case it was queued after all
             raise
         if refusal is not None:
             self._forget(rid)
@@ -197,7 +212,7 @@ class EngineClient:
             if rid is not None:
                 by_request.setdefault(rid, []).append(inference.index)
         for rid, indices in by_request.items():
-            self._send(wire.Cancel(rid, indices))
+            self._send(wire.Cancel(self.client, rid, indices))
 
     def report(self, name: str, *args):
         """/stats, /metrics or /stats/timeline's body, computed by the engine's process
@@ -208,16 +223,23 @@ class EngineClient:
         """What the engine's process answers to a Call; its exception raised here, as the same class where the
         API tells them apart (LoRA loading's), else RuntimeError."""
         cid = next(self._ids)
-        value, error = self._ask(cid, wire.Call(cid, name, list(args)))
+        value, error = self._ask(cid, wire.Call(self.client, cid, name, list(args)))
         if error is not None:
             kind, message = error
             raise CALL_ERRORS.get(kind, RuntimeError)(message)
         return value
 
     def shut_down(self, grace_s: float) -> None:
-        """SIGTERM: the engine drains as one process does (then exits); never blocks (a signal handler calls it)."""
+        """SIGTERM: this front end takes no more requests, and those it has get SHUTDOWN_GRACE_S to finish (its
+        own engine drains as one process does, then exits); never blocks (a signal handler calls it)."""
         self._stopping = True
-        threading.Thread(target=self._send, args=(wire.Stop(grace_s),), daemon=True).start()
+        if self._keeper is not None:
+            self._keeper.stopping = True
+            threading.Thread(target=self._send, args=(wire.Stop(grace_s),), daemon=True).start()
+        else:  # the engine serves other front ends: it keeps running, and forgets this one's requests when it exits
+            timer = threading.Timer(grace_s, self._fail_everything, args=(SHUT_DOWN,))
+            timer.daemon = True
+            timer.start()
 
     def _ask(self, key: int, message):
         """Send and wait for the engine's answer (an Ack or a Reply)."""
@@ -241,79 +263,65 @@ class EngineClient:
             self._rid.pop(inference, None)
 
     # --- the bridge thread ------------------------------------------------------------
-    def _start(self) -> tuple[multiprocessing.Process, wire.Ready]:
-        """Spawn an engine and wait for its Ready; its Failed, or its death before, raised as RuntimeError."""
-        spawn = multiprocessing.get_context("spawn")
-        args = (self.settings, self._build, self._tenants, self._addresses, os.getpid())
-        process = spawn.Process(target=engine_process.run, args=args, name="engine", daemon=True)
-        process.start()
-        log.info("engine process %d started", process.pid)
-        poller = zmq.Poller()
-        poller.register(self._from_engine, zmq.POLLIN)
-        poller.register(process.sentinel, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll())
-            if self._from_engine in events:
+    def _connect(self, timeout_s: float = float("inf")) -> wire.Ready:
+        """Say Hello until an engine answers Ready (one may be starting: its keeper's); what the last engine
+        still had queued for this front end is played out meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._send(wire.Hello(self.client))
+            while self._from_engine.poll(HELLO_S * 1000):
                 for message in self._decoder.decode(self._from_engine.recv()):
                     if isinstance(message, wire.Ready):
-                        return process, message
-                    if isinstance(message, wire.Failed):
-                        process.join()
-                        raise RuntimeError(f"the engine could not start: {message.reason}")
-            elif process.sentinel in events:
-                process.join()
-                raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})")
+                        return message
+                    self._apply(message)
+        raise RuntimeError(f"no engine answered within {timeout_s:.0f} s")
 
-    def _run(self) -> None:
+    def _serving(self, ready: wire.Ready) -> None:
+        """An engine said Ready: its loop runs, nothing waits yet (its first Status follows within STATUS_S)."""
+        self.restarts = ready.restarts
+        self.engine.loras.refresh(ready.loras)
+        self._status, self._status_at = wire.Status(None, True, 0, 0, ready.loras), time.monotonic()
+        self.failure = None
+
+    def _run(self, ready: wire.Ready) -> None:
         while True:
-            self._serve()
+            self._serve(ready.pid)
             if self._stopping:
                 return
-            self._restart()
+            ready = self._connect()
+            self._serving(ready)
+            log.warning("serving again, on engine process %d (%d restart(s) so far)", ready.pid, ready.restarts)
 
-    def _serve(self) -> None:
-        """Play out the engine's messages until its process ends."""
+    def _serve(self, pid: int) -> None:
+        """Play out the engine's messages until its process ends (its pidfd says so: the engine need not be this
+        process's child), then answer every request in flight with an error."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = None  # gone already
         poller = zmq.Poller()
         poller.register(self._from_engine, zmq.POLLIN)
-        poller.register(self._process.sentinel, zmq.POLLIN)
-        while True:
+        if pidfd is not None:
+            poller.register(pidfd, zmq.POLLIN)
+        while pidfd is not None:
             events = dict(poller.poll())
-            if self._from_engine in events:
+            if self._from_engine in events:  # first: what the engine sent before it ended
                 for message in self._decoder.decode(self._from_engine.recv()):
                     self._apply(message)
-            elif self._process.sentinel in events:
-                self._process.join()
+            elif pidfd in events:
+                os.close(pidfd)
                 break
-        code = self._process.exitcode
-        reason = "the server shut down before this request finished" if self._stopping else None
-        self.failure = reason or f"the engine process exited (exit code {code})"
+        self.failure = SHUT_DOWN if self._stopping else f"the engine process exited (it was process {pid})"
         if not self._stopping:
             log.error("%s: answering every request in flight with an error", self.failure)
         self._fail_everything(self.failure)
-
-    def _restart(self) -> None:
-        while not self._stopping:
-            try:
-                self._process, _ = self._start()
-            except RuntimeError as err:
-                log.error("%s; trying again", err)
-                time.sleep(1.0)  # a pause before the next try, not a wait for an event
-                continue
-            self.restarts += 1
-            self._serving_from_now()
-            self.failure = None
-            log.warning("engine process restarted (%d restart(s) so far)", self.restarts)
-            return
-
-    def _serving_from_now(self) -> None:
-        """An engine said Ready: its loop runs, nothing waits yet (its first Status follows within STATUS_S)."""
-        self._status, self._status_at = wire.Status(None, True, 0, 0), time.monotonic()
 
     def _apply(self, message) -> None:
         if isinstance(message, wire.Out):
             self._out(message)
         elif isinstance(message, wire.Status):
             self._status, self._status_at = message, time.monotonic()
+            self.engine.loras.refresh(message.loras)
         elif isinstance(message, wire.Ack | wire.Reply):
             future = self._waiting.get(message.rid if isinstance(message, wire.Ack) else message.cid)
             if future is not None:

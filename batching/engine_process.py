@@ -1,21 +1,26 @@
 """The engine in a process of its own (ENGINE_PROCESS=on): model, KV cache, scheduler and the batching loop,
-fed and read by the front end (batching/engine_client.py) through two ZMQ sockets (messages: batching/wire.py).
+fed and read by its front ends (batching/engine_client.py: one per gunicorn worker, API_SERVER_COUNT of them)
+through ZMQ sockets in a private directory (messages: batching/wire.py): every front end pushes into the engine's
+`in`; the engine pushes each front end's messages into that front end's own `out-<pid>`, as vLLM's engine core
+answers each API server on its own socket. EngineKeeper starts it, and starts another when it dies.
 
 In this process the BatchingManager runs exactly as it does in one process: its loop thread builds the engine
 and owns every torch op. Each request is rebuilt here as its Inferences, text streams and stop strings included,
 so the loop decides every end as before. Two more threads, each blocked in ZMQ (which lets the interpreter go)
-when idle: the main thread takes the front end's messages; the sender ships everything ready as one message,
-so a step's deltas, one per streaming completion, leave together while the loop runs the next step. No request
-thread shares this interpreter: a streamed token costs the loop a few list appends here, its JSON and its
-socket write are the front end's.
+when idle: the main thread takes the front ends' messages; the sender ships everything ready for a front end as
+one message, so a step's deltas, one per streaming completion, leave together while the loop runs the next step.
+No request thread shares this interpreter: a streamed token costs the loop a few list appends here, its JSON and
+its socket write are the front end's.
 
-It exits when the front end sends Stop (after SHUTDOWN_GRACE_S's drain) or when the process that started it is
-gone (PR_SET_PDEATHSIG where Linux has it, and a watch on the parent's id).
+It exits when the front end that started it sends Stop (after SHUTDOWN_GRACE_S's drain) or when the process that
+started it is gone (PR_SET_PDEATHSIG where Linux has it, and a watch on the parent's id). A front end that is
+gone (its pidfd says so) has its requests cancelled.
 """
 
 import contextlib
 import ctypes
 import logging
+import multiprocessing
 import os
 import queue
 import signal
@@ -23,6 +28,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing import connection
+from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
@@ -40,6 +48,8 @@ from model.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
+# Where gunicorn's master tells its workers the engine's sockets are (API_SERVER_COUNT > 1: gunicorn.conf.py)
+DIRECTORY_VARIABLE = "GPT2_SERVER_ENGINE_DIR"
 NOT_STREAMED = 1 << 30  # a non-streamed completion's stream interval: no delta but its first and last
 
 
@@ -47,25 +57,26 @@ def run(
     settings: Settings,
     build_engine: Callable[[], Engine],
     tenants: dict[str, tuple[float, int, int]],
-    addresses: tuple[str, str],
+    directory: str,
     parent_pid: int,
+    restarts: int,
+    started: Connection,
 ) -> None:
-    """The process's entry: build the engine, say Ready (or Failed), serve until Stop or the parent's end.
-    `tenants`: each keyed tenant's (weight, max waiting, max running)."""
+    """The process's entry: build the engine, tell its keeper ("ready" or "failed", why) through `started`, then
+    serve every front end that says Hello until Stop or the parent's end. `tenants`: each keyed tenant's (weight,
+    max waiting, max running); `restarts`: how many engines died before this one."""
     _exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the whole group: the front end decides
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     context = zmq.Context()
-    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    inbox.connect(addresses[0])
-    outbox.connect(addresses[1])
-    core = EngineCore()
+    inbox = context.socket(zmq.PULL)
+    inbox.bind(f"ipc://{directory}/in")
+    core = EngineCore(directory, restarts)
     try:
         manager = BatchingManager(build_engine, settings, settled=core.flush)
-    except Exception as err:  # noqa: BLE001 - a bad model or setting: the front end says why and stops
+    except Exception as err:  # noqa: BLE001 - a bad model or setting: the keeper says why
         log.exception("the engine could not be built")
-        outbox.send(msgspec.msgpack.encode([wire.Failed(f"{type(err).__name__}: {err}")]))
-        outbox.close(linger=5000)
+        started.send(("failed", f"{type(err).__name__}: {err}"))
         sys.exit(1)
     manager.engine.scheduler.fair.weights.update({name: weight for name, (weight, _, _) in tenants.items()})
     manager.admission.tenants.limits.update(
@@ -73,24 +84,106 @@ def run(
     )
     core.attach(manager)
     manager.start()
-    sender = threading.Thread(target=core.send_all, args=(outbox,), name="engine-sender", daemon=True)
+    sender = threading.Thread(target=core.send_all, args=(context,), name="engine-sender", daemon=True)
     sender.start()
     threading.Thread(target=core.report_status, name="engine-status", daemon=True).start()
-    core.outgoing.put(core.ready_message())
+    started.send(("ready", os.getpid()))
     core.serve(inbox)
     sender.join()
     context.destroy(linger=1000)
 
 
-class EngineCore:
-    """The front end's requests, as Inferences in this process's manager; their outputs, as messages."""
+class EngineKeeper:
+    """Starts the engine's process, and starts another whenever it dies, from one thread that lives as long as
+    this process: PR_SET_PDEATHSIG fires when the thread that started a child ends, so the engine never outlives
+    its keeper's process. The keeper is the one gunicorn worker's (API_SERVER_COUNT=1) or gunicorn's master's
+    (more: every worker a front end of the same engine)."""
 
-    def __init__(self):
+    def __init__(self, settings: Settings, build_engine: Callable[[], Engine], tenants: dict, directory: str):
+        self.recipe = (settings, build_engine, tenants, directory)
+        self.restarts = 0
+        self.stopping = False  # the engine was told to stop: its end is not a death
+        self.process: multiprocessing.Process | None = None
+        # gunicorn's master forks its workers after starting the engine: a fork is not the engine's parent, and
+        # multiprocessing's exit handler there would terminate the engine it believes its own daemonic child
+        os.register_at_fork(after_in_child=multiprocessing.process._children.clear)  # noqa: SLF001
+
+    def stop(self) -> None:
+        """The keeper's process is exiting (gunicorn's master, its workers gone): the engine ends with it."""
+        self.stopping = True
+        if self.process is not None:
+            self.process.terminate()
+            self.process.join(timeout=10)
+
+    def start(self) -> None:
+        """Start the first engine and return once it is built; a bad model or setting raised as RuntimeError."""
+        first: Future = Future()
+        threading.Thread(target=self._keep, args=(first,), name="engine-keeper", daemon=True).start()
+        first.result()
+
+    def _keep(self, first: Future) -> None:
+        try:
+            self.process = self._spawn()
+        except RuntimeError as err:
+            first.set_exception(err)
+            return
+        first.set_result(None)
+        while True:
+            self.process.join()
+            if self.stopping:
+                return
+            pid, code = self.process.pid, self.process.exitcode
+            log.error("engine process %d exited (exit code %s): starting another", pid, code)
+            self.restarts += 1
+            while (process := self._try_spawn()) is None and not self.stopping:
+                time.sleep(1.0)  # a pause before the next try, not a wait for an event
+            self.process = process
+            log.warning("engine process restarted (%d restart(s) so far)", self.restarts)
+
+    def _try_spawn(self) -> multiprocessing.Process | None:
+        try:
+            return self._spawn()
+        except RuntimeError as err:
+            log.error("%s; trying again", err)
+            return None
+
+    def _spawn(self) -> multiprocessing.Process:
+        """One engine process, started with spawn (never a fork of a process that may hold CUDA or OpenMP state),
+        once it has said it is built; its failure, or its death before, raised as RuntimeError."""
+        spawn = multiprocessing.get_context("spawn")
+        theirs_read, theirs = spawn.Pipe(duplex=False)
+        settings, build_engine, tenants, directory = self.recipe
+        args = (settings, build_engine, tenants, directory, os.getpid(), self.restarts, theirs)
+        process = spawn.Process(target=run, args=args, name="engine", daemon=True)
+        process.start()
+        theirs.close()
+        log.info("engine process %d started", process.pid)
+        connection.wait([theirs_read, process.sentinel])
+        try:
+            kind, detail = theirs_read.recv()
+        except EOFError:
+            process.join()
+            raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})") from None
+        if kind == "failed":
+            process.join()
+            raise RuntimeError(f"the engine could not start: {detail}")
+        return process
+
+
+class EngineCore:
+    """The front ends' requests, as Inferences in this process's manager; their outputs, as messages to each."""
+
+    def __init__(self, directory: str, restarts: int):
+        self.directory, self.restarts = directory, restarts
         self.tokenizer = load_tokenizer()
-        # FromEngine messages, or lists of them (a step's Outs); None: the last has been queued
+        # lists of (front end, FromEngine message, or None: forget that front end); None: the last has been queued
         self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
-        self.outs: list[wire.Out] = []  # the loop's, since it last settled (its thread alone)
-        self.requests: dict[int, list[Inference]] = {}  # by the front end's request id, until every one answered
+        self.outs: list[tuple[int, wire.Out]] = []  # the loop's, since it last settled (its thread alone)
+        # by front end and its request id, until every completion is answered
+        self.requests: dict[tuple[int, int], list[Inference]] = {}
+        self.clients: dict[int, int] = {}  # each front end's pidfd, by its process id (the main thread's)
+        self.submitted: dict[int, int] = {}  # requests each front end has submitted
+        self.loras_lock = threading.Lock()  # a Status never overtakes the Reply of a load it does not show
 
     def attach(self, manager: BatchingManager) -> None:
         self.manager, self.engine = manager, manager.engine
@@ -103,27 +196,62 @@ class EngineCore:
 
     def ready_message(self) -> wire.Ready:
         engine = self.engine
-        loras = [(a.name, a.path, a.id, a.rank) for a in engine.loras.adapters()]
         cache_tokens = engine.blocks.num_blocks * engine.blocks.block_size
-        return wire.Ready(engine.model_name, engine.is_random, engine.max_context, cache_tokens, loras)
+        return wire.Ready(
+            os.getpid(), self.restarts, engine.model_name, engine.is_random, engine.max_context, cache_tokens,
+            self.adapters(),
+        )  # fmt: skip
+
+    def adapters(self) -> list[wire.Adapter]:
+        return [(a.name, a.path, a.id, a.rank) for a in self.engine.loras.adapters()]
 
     def serve(self, inbox: zmq.Socket) -> None:
-        """The main thread: each message from the front end, in order, until Stop."""
+        """The main thread: each message from the front ends, in order, until Stop; a front end's end (its
+        pidfd) cancels its requests."""
         decoder = msgspec.msgpack.Decoder(wire.ToEngine)
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
         while True:
-            message = decoder.decode(inbox.recv())
-            if isinstance(message, wire.Submit):
-                self.outgoing.put(self._submit_or_refuse(message))
-            elif isinstance(message, wire.Cancel):
-                mine = self.requests.get(message.rid, [])
-                self.manager.cancel(*(mine[i] for i in message.indices if i < len(mine)))
-            elif isinstance(message, wire.Call):
-                self.outgoing.put(self.call(message))
-            else:  # Stop: drain as one process does on SIGTERM, then the sender's last message
-                self.manager.shut_down(message.grace_s)
-                self.manager.join()
-                self.outgoing.put(None)
-                return
+            for item, _ in poller.poll():
+                if item is not inbox:
+                    poller.unregister(item)
+                    self._gone(item)
+                    continue
+                message = decoder.decode(inbox.recv())
+                if isinstance(message, wire.Hello):
+                    self._hello(message.client, poller)
+                elif isinstance(message, wire.Submit):
+                    self.submitted[message.client] = self.submitted.get(message.client, 0) + 1
+                    self.outgoing.put([(message.client, self._submit_or_refuse(message))])
+                elif isinstance(message, wire.Cancel):
+                    mine = self.requests.get((message.client, message.rid), [])
+                    self.manager.cancel(*(mine[i] for i in message.indices if i < len(mine)))
+                elif isinstance(message, wire.Call):
+                    self.outgoing.put([(message.client, self.call(message))])
+                else:  # Stop: drain as one process does on SIGTERM, then the sender's last message
+                    self.manager.shut_down(message.grace_s)
+                    self.manager.join()
+                    self.outgoing.put(None)
+                    return
+
+    def _hello(self, client: int, poller: zmq.Poller) -> None:
+        """A front end, new or saying Hello again (it repeats it until Ready comes): Ready to it."""
+        if client not in self.clients:
+            try:
+                self.clients[client] = pidfd = os.pidfd_open(client)
+            except ProcessLookupError:
+                return  # gone already
+            poller.register(pidfd, zmq.POLLIN)
+        self.outgoing.put([(client, self.ready_message())])
+
+    def _gone(self, pidfd: int) -> None:
+        """A front end's process ended (killed, say): nobody waits for its requests any more."""
+        client = next(c for c, fd in self.clients.items() if fd == pidfd)
+        del self.clients[client]
+        os.close(pidfd)
+        log.warning("front end %d is gone: cancelling its requests", client)
+        self.manager.cancel(*(i for (c, _), infs in list(self.requests.items()) if c == client for i in infs))
+        self.outgoing.put([(client, None)])
 
     def _submit_or_refuse(self, request: wire.Submit) -> wire.Ack:
         """One request's trouble here (its constraint failing to compile again, say) is its own answer, never
@@ -131,13 +259,14 @@ class EngineCore:
         try:
             return self.submit(request)
         except Exception as err:  # noqa: BLE001 - answered to its request alone
-            self.requests.pop(request.rid, None)
+            self.requests.pop((request.client, request.rid), None)
             status = 400 if isinstance(err, ConstraintError) else 500
             return wire.Ack(request.rid, ("refused", status, f"{type(err).__name__}: {err}", 0, "failed"))
 
     def submit(self, request: wire.Submit) -> wire.Ack:
         completions: list[Inference] = []
-        sink = _Sink(request.rid, completions, request.stream_interval > 0, self)
+        key = (request.client, request.rid)
+        sink = _Sink(key, completions, request.stream_interval > 0, self)
         lora = self.engine.loras.get(request.lora) if request.lora is not None else None
         if request.lora is not None and lora is None:  # unloaded since the front end looked it up
             return wire.Ack(request.rid, ("missing", 404, f"the model '{request.lora}' does not exist here", 0, ""))
@@ -158,14 +287,14 @@ class EngineCore:
             )
             leader = leader if completion.forks else inference
             completions.append(inference)
-        self.requests[request.rid] = completions
+        self.requests[key] = completions
         try:
             self.manager.enqueue(*completions)
         except Refused as err:
-            del self.requests[request.rid]
+            del self.requests[key]
             return wire.Ack(request.rid, ("refused", err.status, str(err), err.retry_after, err.reason))
         except NotServing as err:
-            del self.requests[request.rid]
+            del self.requests[key]
             return wire.Ack(request.rid, ("closed", 503, str(err), 0, ""))
         return wire.Ack(request.rid, None)
 
@@ -181,17 +310,27 @@ class EngineCore:
         loras = self.engine.loras
         try:
             if call.name == "load_lora":
-                adapter = loras.load(*call.args)
+                with self.loras_lock:
+                    adapter = loras.load(*call.args)
+                    self._broadcast_status()  # every front end's list of models shows it from now
                 return wire.Reply(call.cid, (adapter.name, adapter.path, adapter.id, adapter.rank))
             if call.name == "unload_lora":
-                return wire.Reply(call.cid, loras.unload(*call.args))
-            return wire.Reply(call.cid, self.manager.report(call.name, *call.args))
+                with self.loras_lock:
+                    loras.unload(*call.args)
+                    self._broadcast_status()
+                return wire.Reply(call.cid, None)
+            value = self.manager.report(call.name, *call.args)
+            if call.name == "stats":  # how the requests spread over the front ends (API_SERVER_COUNT)
+                value["front_end_requests"] = sorted(self.submitted.get(client, 0) for client in list(self.clients))
+            return wire.Reply(call.cid, value)
         except Exception as err:  # noqa: BLE001 - the caller's error (a 4xx, or its 500), never the engine's end
             return wire.Reply(call.cid, None, (type(err).__name__, str(err)))
 
-    def send_all(self, outbox: zmq.Socket) -> None:
-        """The sender thread: everything queued when it wakes, as one message."""
+    def send_all(self, context: zmq.Context) -> None:
+        """The sender thread: everything queued when it wakes, one message to each front end it is for. A front
+        end's socket is opened by its Ready and closed when it is gone; what is still queued for it is dropped."""
         encoder = msgspec.msgpack.Encoder()
+        sockets: dict[int, zmq.Socket] = {}
         while True:
             queued = [self.outgoing.get()]
             while True:
@@ -199,26 +338,43 @@ class EngineCore:
                     queued.append(self.outgoing.get_nowait())
                 except queue.Empty:
                     break
-            batch = [m for item in queued if item is not None for m in (item if isinstance(item, list) else [item])]
-            if batch:
-                outbox.send(encoder.encode(batch))
+            batches: dict[int, list] = {}
+            for client, message in (pair for item in queued if item is not None for pair in item):
+                if message is None:
+                    sockets.pop(client).close(linger=0)
+                    batches.pop(client, None)
+                    continue
+                if client not in sockets and isinstance(message, wire.Ready):
+                    sockets[client] = socket = context.socket(zmq.PUSH)
+                    socket.setsockopt(zmq.SNDHWM, 0)  # never block the sender on one slow front end
+                    socket.connect(f"ipc://{self.directory}/out-{client}")
+                if client in sockets:
+                    batches.setdefault(client, []).append(message)
+            for client, batch in batches.items():
+                sockets[client].send(encoder.encode(batch))
             if queued[-1] is None:
                 return
 
     def report_status(self) -> None:
         while True:
-            manager = self.manager
-            status = wire.Status(manager.health_problem(), manager.ready, manager.num_waiting(), manager.num_running())
-            self.outgoing.put(status)
-            time.sleep(wire.STATUS_S)  # a period, not a wait for something: the front end reads the latest
+            with self.loras_lock:
+                self._broadcast_status()
+            time.sleep(wire.STATUS_S)  # a period, not a wait for something: the front ends read the latest
+
+    def _broadcast_status(self) -> None:
+        manager = self.manager
+        status = wire.Status(
+            manager.health_problem(), manager.ready, manager.num_waiting(), manager.num_running(), self.adapters()
+        )
+        self.outgoing.put([(client, status) for client in list(self.clients)])
 
 
 class _Sink:
     """An engine-side request's `chunks`: what BatchingManager hands its client (deltas, then each completion
     once answered) goes to the front end as Out messages, with the tokens each brings."""
 
-    def __init__(self, rid: int, completions: list[Inference], streamed: bool, core: EngineCore):
-        self.rid, self.completions, self.streamed, self.core = rid, completions, streamed, core
+    def __init__(self, key: tuple[int, int], completions: list[Inference], streamed: bool, core: EngineCore):
+        self.key, self.completions, self.streamed, self.core = key, completions, streamed, core
         self.sent: dict[int, int] = {}  # tokens sent, by completion index
         self.answered = 0
 
@@ -227,15 +383,15 @@ class _Sink:
             if self.streamed:
                 inference = self.completions[chunk.index]
                 delta = (chunk.text, chunk.num_tokens, chunk.finish_reason)
-                self.core.outs.append(wire.Out(*self._new(inference, chunk.num_tokens), delta, None))
+                self.core.outs.append((self.key[0], wire.Out(*self._new(inference, chunk.num_tokens), delta, None)))
             return
         seq = chunk.seq
         text = chunk.text.text if chunk.text is not None else ""
         end = wire.End(seq.finish_reason, chunk.error, text, seq.num_cached_prompt_tokens)
-        self.core.outs.append(wire.Out(*self._new(chunk, seq.num_generated), None, end))
+        self.core.outs.append((self.key[0], wire.Out(*self._new(chunk, seq.num_generated), None, end)))
         self.answered += 1
         if self.answered == len(self.completions):
-            self.core.requests.pop(self.rid, None)
+            self.core.requests.pop(self.key, None)
 
     def _new(self, inference: Inference, upto: int) -> tuple[int, int, list[int], list, list]:
         """An Out's first fields: the completion, its tokens and their log-probabilities not sent before (and its
@@ -244,7 +400,8 @@ class _Sink:
         start = self.sent.get(inference.index, 0)
         self.sent[inference.index] = max(start, upto)
         prompt_logprobs = seq.prompt_logprobs if first else []
-        return self.rid, inference.index, inference.generated_ids[start:upto], seq.logprobs[start:upto], prompt_logprobs
+        ids, logprobs = inference.generated_ids[start:upto], seq.logprobs[start:upto]
+        return self.key[1], inference.index, ids, logprobs, prompt_logprobs
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -1,9 +1,11 @@
 """The messages between the HTTP front end and the engine process (ENGINE_PROCESS=on), declared once.
 
 msgpack through msgspec, as vLLM's engine core speaks: plain numbers, strings and lists, each message a tagged
-array, so nothing a client sent is ever unpickled and a step's message stays a few bytes a row. The front end
-sends Submit, Cancel and Call; the engine sends Ready once, then batches (lists) of Ack, Out, Reply and Status,
-as many as were ready when its sender woke: a step's deltas leave together.
+array, so nothing a client sent is ever unpickled and a step's message stays a few bytes a row. Each front end
+(a gunicorn worker; API_SERVER_COUNT of them) says Hello with its process id, its name in every message after;
+then it sends Submit, Cancel and Call. The engine answers Hello with Ready, then sends each front end batches
+(lists) of Ack, Out, Reply and Status, as many as were ready for it when its sender woke: a step's deltas leave
+together.
 """
 
 import msgspec
@@ -36,7 +38,15 @@ class Completion(msgspec.Struct, array_like=True):
     faulty: bool  # FAULT_FAIL_MARKER: its text stream fails in its first step (tests)
 
 
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """A front end, by its process id: the engine sends its messages to ipc://<directory>/out-<client>, and
+    cancels its requests when that process ends."""
+
+    client: int
+
+
 class Submit(msgspec.Struct, tag="submit", array_like=True):
+    client: int
     rid: int
     completions: list[Completion]
     stop: list[str]
@@ -47,6 +57,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
+    client: int
     rid: int
     indices: list[int]
 
@@ -55,34 +66,37 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     """A report the engine's process computes (batching/telemetry/reports.py), or a LoRA adapter to load or unload
     ("load_lora", "unload_lora"), answered by a Reply with the same id."""
 
+    client: int
     cid: int
     name: str
     args: list
 
 
 class Stop(msgspec.Struct, tag="stop", array_like=True):
+    """From the front end that started the engine (API_SERVER_COUNT=1), on SIGTERM: drain, then exit."""
+
     grace_s: float
 
 
-ToEngine = Submit | Cancel | Call | Stop
+ToEngine = Hello | Submit | Cancel | Call | Stop
 
 Logprobs = list[tuple[float, list[tuple[int, float]]]]  # generate.sequence.TokenLogprobs, one per token
 
 
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    """What the front end checks and reports without asking: the served model and the cache's size."""
+Adapter = tuple[str, str, int, int]  # a LoRA adapter's (name, path, id, rank)
 
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """The answer to Hello: what the front end checks and reports without asking (the served model, the cache's
+    size), and the engine's process (watched for its end) and how many engines died before it."""
+
+    pid: int
+    restarts: int
     model_name: str
     is_random: bool
     max_context: int
     cache_tokens: int  # every KV block's tokens: no request longer than this can ever run
-    loras: list[tuple[str, str, int, int]]  # (name, path, id, rank) of each adapter loaded at start
-
-
-class Failed(msgspec.Struct, tag="failed", array_like=True):
-    """Instead of Ready: the engine could not be built (a bad model or setting), and why."""
-
-    reason: str
+    loras: list[Adapter]
 
 
 class Ack(msgspec.Struct, tag="ack", array_like=True):
@@ -126,7 +140,8 @@ class Status(msgspec.Struct, tag="status", array_like=True):
     ready: bool
     num_waiting: int
     num_running: int
+    loras: list[Adapter]  # every adapter loaded now: one loaded through another front end shows here too
 
 
-FromEngine = Ready | Failed | Ack | Out | Reply | Status
+FromEngine = Ready | Ack | Out | Reply | Status
 STATUS_S = 0.25

@@ -3,13 +3,15 @@
 A GPU's step is short, so there the server's Python (scheduling, building, delivering, every streamed event's
 JSON and socket write) sets the speed; this measures that Python on any machine. Each run is client/benchmark.py's
 `saturate` with N streamed requests against ./server.sh dynamic on ENGINE=sim whose steps each take --step-ms
-(the runner sleeps, holding no lock and no core), for each ENGINE_PROCESS, STREAM_INTERVAL and N given. Printed:
+(the runner sleeps, holding no lock and no core), for each ENGINE_PROCESS, API_SERVER_COUNT (front ends: gunicorn
+workers on the one engine process), STREAM_INTERVAL and N given. Printed:
 output tok/s; the engine's host time per step (the step's time less the runner's sleep: schedule, build,
 bookkeeping, delivery), mean and p50 over the run's steps; and the server's CPU time per output token (all its
 processes: the engine's and the front end's).
 
     python -m benchmarks.host_path                                   # 20 ms steps: 128 and 256 requests
     python -m benchmarks.host_path --step-ms 3 --requests 128 --engine-process off,on --stream-interval 1
+    python -m benchmarks.host_path --requests 128 --engine-process on --api-server-count 1,2
 """
 
 import argparse
@@ -25,10 +27,11 @@ from sim.profiles import write_fixed_step_profile
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(directory: Path, gpu: Path, engine_process: str, interval: int, requests: int) -> dict:
-    out = directory / f"engine-{engine_process}-interval-{interval}-{requests}"
+def run(directory: Path, gpu: Path, layout: tuple[str, str], interval: int, requests: int) -> dict:
+    engine_process, front_ends = layout
+    out = directory / f"engine-{engine_process}-{front_ends}-interval-{interval}-{requests}"
     env = {**os.environ, "ENGINE": "sim", "SIM_MODEL": "gpt2", "SIM_GPU": str(gpu), "DTYPE": "", "TQDM_DISABLE": "1"}
-    env.update(ENGINE_PROCESS=engine_process, STREAM_INTERVAL=str(interval))
+    env.update(ENGINE_PROCESS=engine_process, API_SERVER_COUNT=front_ends, STREAM_INTERVAL=str(interval))
     command = [sys.executable, "client/benchmark.py", "--workload", "saturate", "--modes", "dynamic"]
     subprocess.run([*command, "--numsamples", str(requests), "--out", str(out)], cwd=ROOT, env=env, check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
@@ -49,21 +52,30 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, default=20.0, help="each step's time (the runner sleeps it)")
     parser.add_argument("--requests", default="128,256")
     parser.add_argument("--engine-process", default="off,on")
+    parser.add_argument("--api-server-count", default="1", help="front ends; above 1 with ENGINE_PROCESS=on only")
     parser.add_argument("--stream-interval", default="1,32")
     parser.add_argument("--rounds", type=int, default=1, help="each setting this many times, in turns")
     args = parser.parse_args()
     print(f"ENGINE=sim, every step {args.step_ms:g} ms of sleep; saturate, every request streamed")
-    print("requests | ENGINE_PROCESS | STREAM_INTERVAL | out tok/s | host ms/step (mean, p50) | server CPU µs/token")
+    print("requests | ENGINE_PROCESS | API_SERVER_COUNT | STREAM_INTERVAL | out tok/s | host ms/step (mean, p50) | "
+          "server CPU µs/token")  # fmt: skip
+    layouts = [
+        (process, count)
+        for process in args.engine_process.split(",")
+        for count in args.api_server_count.split(",")
+        if process == "on" or count == "1"
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         gpu = write_fixed_step_profile(directory, args.step_ms / 1e3)
         for requests in args.requests.split(","):
             for interval in args.stream_interval.split(","):
                 for _ in range(args.rounds):
-                    for layout in args.engine_process.split(","):
+                    for layout in layouts:
                         r = run(directory, gpu, layout, int(interval), int(requests))
                         print(
-                            f"{requests:>8} | {layout:>14} | {interval:>15} | {r['out_tok_s']:9.0f} | "
+                            f"{requests:>8} | {layout[0]:>14} | {layout[1]:>16} | {interval:>15} | "
+                            f"{r['out_tok_s']:9.0f} | "
                             f"{r['host_ms']:10.2f}, {r['host_p50_ms']:5.2f}    | {r['cpu_us_per_token']:8.1f}",
                             flush=True,
                         )
