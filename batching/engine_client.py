@@ -29,15 +29,16 @@ import zmq
 
 from batching import engine_process, wire
 from batching.admission_error import Refused
-from batching.inference import Delta, Inference
+from batching.inference import Inference
 from batching.manager import NotServing
 from batching.text_stream import FaultyTextStream
 from config import EngineSettings, Settings
 from generate.constraint_compiler import ConstraintCompiler
 from generate.engine import Engine, fit_problem
 from generate.lora_registry import LoraInUse, LoraNotFound
-from generate.sequence import SamplingParams, Status, TokenLogprobs
+from generate.sequence import SamplingParams, Sequence, Status, TokenLogprobs
 from model.lora import LoraError
+from model.tokenizer import EOT_ID
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,6 @@ class EngineClient:
         if not self.ready:
             raise NotServing(self.health_problem() or "the engine is not serving")
         first, rid = infs[0], next(self._ids)
-        streamed = first.chunks is not None
         completions = [
             wire.Completion(
                 inference.prompt_ids,
@@ -185,11 +185,10 @@ class EngineClient:
         ]
         stop = list(first.text.stop_strings) if first.text is not None else []
         lora = first.lora.name if first.lora is not None else None
-        interval = first.stream_interval if streamed else 0
         self._pending[rid] = list(infs)
         self._rid.update((inference, rid) for inference in infs)
         try:
-            submit = wire.Submit(self.client, rid, completions, stop, interval, first.priority, first.tenant, lora)
+            submit = wire.Submit(self.client, rid, completions, stop, first.priority, first.tenant, lora)
             refusal = self._ask(rid, submit)
         except NotServing:
             self._forget(rid)
@@ -270,10 +269,11 @@ class EngineClient:
         while time.monotonic() < deadline:
             self._send(wire.Hello(self.client))
             while self._from_engine.poll(HELLO_S * 1000):
-                for message in self._decoder.decode(self._from_engine.recv()):
-                    if isinstance(message, wire.Ready):
-                        return message
-                    self._apply(message)
+                messages = self._decoder.decode(self._from_engine.recv())
+                ready = [message for message in messages if isinstance(message, wire.Ready)]
+                if ready:
+                    return ready[0]
+                self._apply(messages)
         raise RuntimeError(f"no engine answered within {timeout_s:.0f} s")
 
     def _serving(self, ready: wire.Ready) -> None:
@@ -306,8 +306,7 @@ class EngineClient:
         while pidfd is not None:
             events = dict(poller.poll())
             if self._from_engine in events:  # first: what the engine sent before it ended
-                for message in self._decoder.decode(self._from_engine.recv()):
-                    self._apply(message)
+                self._apply(self._decoder.decode(self._from_engine.recv()))
             elif pidfd in events:
                 os.close(pidfd)
                 break
@@ -316,42 +315,68 @@ class EngineClient:
             log.error("%s: answering every request in flight with an error", self.failure)
         self._fail_everything(self.failure)
 
-    def _apply(self, message) -> None:
-        if isinstance(message, wire.Out):
-            self._out(message)
-        elif isinstance(message, wire.Status):
-            self._status, self._status_at = message, time.monotonic()
-            self.engine.loras.refresh(message.loras)
-        elif isinstance(message, wire.Ack | wire.Reply):
-            future = self._waiting.get(message.rid if isinstance(message, wire.Ack) else message.cid)
-            if future is not None:
-                future.set_result(message.refusal if isinstance(message, wire.Ack) else (message.value, message.error))
+    def _apply(self, messages: list) -> None:
+        """One message from the engine (what it had for this front end when its sender woke: a step's Tokens, or
+        several steps'). Each step's Tokens are followed by the Ended of the completions they end, so a delta is
+        streamed per step, and a completion's last token and its end go out in one, as in one process."""
+        touched: list[Inference] = []
+        for message in messages:
+            if isinstance(message, wire.Tokens):
+                _stream(touched)  # the step before this one's
+                touched = self._tokens(message)
+            elif isinstance(message, wire.Ended):
+                self._ended(message)
+            elif isinstance(message, wire.Status):
+                self._status, self._status_at = message, time.monotonic()
+                self.engine.loras.refresh(message.loras)
+            elif isinstance(message, wire.Ack | wire.Reply):
+                future = self._waiting.get(message.rid if isinstance(message, wire.Ack) else message.cid)
+                if future is not None:
+                    answer = message.refusal if isinstance(message, wire.Ack) else (message.value, message.error)
+                    future.set_result(answer)
+        _stream(touched)
 
-    def _out(self, out: wire.Out) -> None:
-        completions = self._pending.get(out.rid)
+    def _tokens(self, tokens: wire.Tokens) -> list[Inference]:
+        """A step's tokens, each appended to its sequence and its text made here (stop strings are the engine's to
+        find, as it decides every end; the same text stream finds them here at the same token): the completions
+        they went to, whose deltas are streamed once the message's ends are known, as BatchingManager does."""
+        pending, now, touched = self._pending, time.monotonic(), []
+        for rid, index, token in zip(tokens.rids, tokens.indices, tokens.ids):
+            completions = pending.get(rid)
+            if completions is None:
+                continue  # its request was answered already (refused, or failed with an engine that died)
+            inference = completions[index]
+            seq = inference.seq
+            seq.token_ids.append(token)
+            inference.first_token_at = inference.first_token_at or now
+            if inference.text is not None and not _ends_unseen(seq, token):
+                inference.text.push(token, seq.num_generated >= seq.params.min_tokens)
+            touched.append(inference)
+        for row, entries in tokens.logprobs:
+            completions = pending.get(tokens.rids[row])
+            if completions is not None:
+                completions[tokens.indices[row]].seq.logprobs += _logprobs(entries)
+        for row, entries in tokens.prompt_logprobs:
+            completions = pending.get(tokens.rids[row])
+            if completions is not None:
+                completions[tokens.indices[row]].seq.prompt_logprobs = _logprobs(entries)
+        return touched
+
+    def _ended(self, ended: wire.Ended) -> None:
+        completions = self._pending.get(ended.rid)
         if completions is None:
-            return  # its request was answered already (refused, or failed with an engine that died)
-        inference = completions[out.index]
-        seq = inference.seq
-        if out.ids:
-            inference.first_token_at = inference.first_token_at or time.monotonic()
-            seq.token_ids += out.ids
-            seq.logprobs += _logprobs(out.logprobs)
-        if out.prompt_logprobs:
-            seq.prompt_logprobs = _logprobs(out.prompt_logprobs)
-        if out.delta is not None and inference.chunks is not None:
-            inference.chunks.put(Delta(out.index, *out.delta))
-        if out.end is None:
             return
-        end = out.end
-        seq.status, seq.finish_reason = Status.FINISHED, end.finish_reason
-        seq.num_cached_prompt_tokens = end.num_cached_prompt_tokens
-        if inference.text is not None:
-            inference.text.text = end.text
-        inference.finish(end.error)
+        inference = completions[ended.index]
+        seq = inference.seq
+        seq.status, seq.finish_reason = Status.FINISHED, ended.finish_reason
+        seq.num_cached_prompt_tokens = ended.num_cached_prompt_tokens
+        if ended.prompt_logprobs:
+            seq.prompt_logprobs = _logprobs(ended.prompt_logprobs)
+        inference.finish(ended.error)
+        inference.stream(finished=True)
         inference.answer()
         if all(completion.done.is_set() for completion in completions):
-            self._forget(out.rid)
+            self._forget(ended.rid)
 
     def _fail_everything(self, reason: str) -> None:
         for future in list(self._waiting.values()):
@@ -373,6 +398,20 @@ def _params(p: SamplingParams) -> wire.Params:
         p.min_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, list(p.logit_bias),
         (c.kind, c.spec, c.whitespace_pattern) if c is not None else None,
     )  # fmt: skip
+
+
+def _stream(touched: list[Inference]) -> None:
+    """Deltas due after a step's tokens: an ended completion has streamed its last already."""
+    for inference in touched:
+        if not inference.done.is_set():
+            inference.stream(finished=False)
+
+
+def _ends_unseen(seq: Sequence, token: int) -> bool:
+    """Whether this token ends its sequence without being text, as Sequence._decide_end has it: end-of-text where
+    it may stop (or its grammar ends), which the engine's stop checker never sees either."""
+    p = seq.params
+    return token == EOT_ID and ((p.stop_at_eos and seq.num_generated >= p.min_tokens) or p.constraint is not None)
 
 
 def _logprobs(entries: list) -> list[TokenLogprobs]:

@@ -5,12 +5,13 @@ through ZMQ sockets in a private directory (messages: batching/wire.py): every f
 answers each API server on its own socket. EngineKeeper starts it, and starts another when it dies.
 
 In this process the BatchingManager runs exactly as it does in one process: its loop thread builds the engine
-and owns every torch op. Each request is rebuilt here as its Inferences, text streams and stop strings included,
-so the loop decides every end as before. Two more threads, each blocked in ZMQ (which lets the interpreter go)
-when idle: the main thread takes the front ends' messages; the sender ships everything ready for a front end as
-one message, so a step's deltas, one per streaming completion, leave together while the loop runs the next step.
-No request thread shares this interpreter: a streamed token costs the loop a few list appends here, its JSON and
-its socket write are the front end's.
+and owns every torch op. Each request is rebuilt here as its Inferences; one with stop strings gets a text stream
+to find them, so the loop decides every end as before. Text is the front ends' to make: after each step the loop
+hands its rows' token ids to flush(), which makes one Tokens message (columns of numbers) per front end, followed
+by the Ended of whatever ended. Two more threads, each blocked in ZMQ (which lets the interpreter go) when idle:
+the main thread takes the front ends' messages; the sender ships everything ready for a front end as one message
+while the loop runs the next step. No request thread shares this interpreter: a streamed token costs the loop a
+few list appends here; its text, JSON and socket write are the front end's.
 
 It exits when the front end that started it sends Stop (after SHUTDOWN_GRACE_S's drain) or when the process that
 started it is gone (PR_SET_PDEATHSIG where Linux has it, and a watch on the parent's id). A front end that is
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # Where gunicorn's master tells its workers the engine's sockets are (API_SERVER_COUNT > 1: gunicorn.conf.py)
 DIRECTORY_VARIABLE = "GPT2_SERVER_ENGINE_DIR"
-NOT_STREAMED = 1 << 30  # a non-streamed completion's stream interval: no delta but its first and last
+NOT_STREAMED = 1 << 30  # no delta but its first and last: the front end streams
 
 
 def run(
@@ -178,7 +179,7 @@ class EngineCore:
         self.tokenizer = load_tokenizer()
         # lists of (front end, FromEngine message, or None: forget that front end); None: the last has been queued
         self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
-        self.outs: list[tuple[int, wire.Out]] = []  # the loop's, since it last settled (its thread alone)
+        self.ended: list[tuple[int, wire.Ended]] = []  # the loop's, since it last settled (its thread alone)
         # by front end and its request id, until every completion is answered
         self.requests: dict[tuple[int, int], list[Inference]] = {}
         self.clients: dict[int, int] = {}  # each front end's pidfd, by its process id (the main thread's)
@@ -188,11 +189,29 @@ class EngineCore:
     def attach(self, manager: BatchingManager) -> None:
         self.manager, self.engine = manager, manager.engine
 
-    def flush(self) -> None:
-        """The loop has settled: what it handed out since it last did goes to the sender together."""
-        if self.outs:
-            self.outgoing.put(self.outs)
-            self.outs = []
+    def flush(self, delivered: list[tuple[Inference, int | None]] = ()) -> None:
+        """The loop has settled: a step's tokens (`delivered`: its rows' (inference, token)), then what ended,
+        go to the sender together, as one Tokens message to each front end."""
+        columns: dict[int, wire.Tokens] = {}
+        for inference, token in delivered:
+            if token is None:
+                continue  # a prompt chunk
+            sink: _Sink = inference.chunks
+            client, rid = sink.key
+            out = columns.get(client) or columns.setdefault(client, wire.Tokens([], [], [], [], []))
+            row, index, seq = len(out.ids), inference.index, inference.seq
+            out.rids.append(rid)
+            out.indices.append(index)
+            out.ids.append(token)
+            position = sink.sent[index]
+            sink.sent[index] = position + 1
+            if seq.params.logprobs is not None:
+                out.logprobs.append((row, [seq.logprobs[position]]))
+            if position == 0 and seq.params.prompt_logprobs is not None:
+                out.prompt_logprobs.append((row, seq.prompt_logprobs))
+        if columns or self.ended:
+            self.outgoing.put([*columns.items(), *self.ended])
+            self.ended = []
 
     def ready_message(self) -> wire.Ready:
         engine = self.engine
@@ -266,19 +285,20 @@ class EngineCore:
     def submit(self, request: wire.Submit) -> wire.Ack:
         completions: list[Inference] = []
         key = (request.client, request.rid)
-        sink = _Sink(key, completions, request.stream_interval > 0, self)
+        sink = _Sink(key, len(request.completions), self)
         lora = self.engine.loras.get(request.lora) if request.lora is not None else None
         if request.lora is not None and lora is None:  # unloaded since the front end looked it up
             return wire.Ack(request.rid, ("missing", 404, f"the model '{request.lora}' does not exist here", 0, ""))
         leader = None
         for index, completion in enumerate(request.completions):
-            text = (FaultyTextStream if completion.faulty else TextStream)(self.tokenizer, request.stop)
+            # text here only to find stop strings, where the end is decided (the front end renders its own)
+            text = TextStream(self.tokenizer, request.stop) if request.stop else None
             inference = Inference(
                 completion.prompt_ids,
                 self._params(completion.params),
-                text=text,
+                text=FaultyTextStream(self.tokenizer) if completion.faulty else text,
                 chunks=sink,
-                stream_interval=request.stream_interval or NOT_STREAMED,
+                stream_interval=NOT_STREAMED,
                 index=index,
                 fork_of=leader if completion.forks else None,
                 priority=request.priority,
@@ -370,38 +390,26 @@ class EngineCore:
 
 
 class _Sink:
-    """An engine-side request's `chunks`: what BatchingManager hands its client (deltas, then each completion
-    once answered) goes to the front end as Out messages, with the tokens each brings."""
+    """An engine-side request's `chunks`: each completion, once answered, goes to the front end as Ended (its tokens
+    go in the step's Tokens, EngineCore.flush; deltas are the front end's to make)."""
 
-    def __init__(self, key: tuple[int, int], completions: list[Inference], streamed: bool, core: EngineCore):
-        self.key, self.completions, self.streamed, self.core = key, completions, streamed, core
-        self.sent: dict[int, int] = {}  # tokens sent, by completion index
+    def __init__(self, key: tuple[int, int], count: int, core: EngineCore):
+        self.key, self.core = key, core  # (front end, request id)
+        self.sent = [0] * count  # tokens sent, by completion index
         self.answered = 0
 
     def put(self, chunk: Delta | Inference) -> None:
         if isinstance(chunk, Delta):
-            if self.streamed:
-                inference = self.completions[chunk.index]
-                delta = (chunk.text, chunk.num_tokens, chunk.finish_reason)
-                self.core.outs.append((self.key[0], wire.Out(*self._new(inference, chunk.num_tokens), delta, None)))
             return
-        seq = chunk.seq
-        text = chunk.text.text if chunk.text is not None else ""
-        end = wire.End(seq.finish_reason, chunk.error, text, seq.num_cached_prompt_tokens)
-        self.core.outs.append((self.key[0], wire.Out(*self._new(chunk, seq.num_generated), None, end)))
+        seq, index = chunk.seq, chunk.index
+        prompt_logprobs = seq.prompt_logprobs if seq.num_generated == 0 else []  # no token carried them
+        ended = wire.Ended(
+            self.key[1], index, seq.finish_reason, chunk.error, seq.num_cached_prompt_tokens, prompt_logprobs
+        )
+        self.core.ended.append((self.key[0], ended))
         self.answered += 1
-        if self.answered == len(self.completions):
+        if self.answered == len(self.sent):
             self.core.requests.pop(self.key, None)
-
-    def _new(self, inference: Inference, upto: int) -> tuple[int, int, list[int], list, list]:
-        """An Out's first fields: the completion, its tokens and their log-probabilities not sent before (and its
-        prompt's, the first time)."""
-        seq, first = inference.seq, inference.index not in self.sent
-        start = self.sent.get(inference.index, 0)
-        self.sent[inference.index] = max(start, upto)
-        prompt_logprobs = seq.prompt_logprobs if first else []
-        ids, logprobs = inference.generated_ids[start:upto], seq.logprobs[start:upto]
-        return self.key[1], inference.index, ids, logprobs, prompt_logprobs
 
 
 def _exit_with_parent(parent_pid: int) -> None:

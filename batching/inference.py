@@ -84,6 +84,20 @@ class Inference:
         `stream_interval` tokens have come since the last delta (vLLM's rule); a completion's end always goes."""
         return self.streamed_tokens == 0 or self.seq.num_generated - self.streamed_tokens >= self.stream_interval
 
+    def stream(self, finished: bool) -> None:
+        """The text its tokens released, to a streaming client: the first at once, then every `stream_interval`
+        tokens, and a completion's last delta always (with its finish reason)."""
+        if self.text is None:
+            return
+        if finished:
+            self.text.finish()
+        elif not self.stream_due():
+            return  # its text waits in the text stream for the next delta
+        piece = self.text.take()
+        if self.chunks is not None and (piece or finished):
+            self.streamed_tokens = num = self.seq.num_generated
+            self.chunks.put(Delta(self.index, piece, num, self.finish_reason if finished else None))
+
     def finish(self, error: str | None = None) -> None:
         """Record that it ended, and when, and why it failed if it did (`error`, or its sequence's: deciding its
         end failed in a step); `answer()` then wakes the request thread."""

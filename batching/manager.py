@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from itertools import accumulate
 
 from batching.admission import Admission
-from batching.inference import Delta, Inference
+from batching.inference import Inference
 from batching.telemetry.observer import LoopObserver, StepNews
 from batching.telemetry.reports import REPORTS
 from batching.telemetry.step_summary import StepSummary
@@ -42,20 +42,20 @@ from generate.step_log import StepRecord
 
 log = logging.getLogger(__name__)
 
+Settled = Callable[..., None]  # (delivered=()): a step's (inference, token) rows, or none
+
 
 class NotServing(Exception):
     """The loop is not running (not started yet, or died)."""
 
 
 class BatchingManager:
-    def __init__(
-        self, build_engine: Callable[[], Engine], settings: Settings, settled: Callable[[], None] | None = None
-    ):
+    def __init__(self, build_engine: Callable[[], Engine], settings: Settings, settled: Settled | None = None):
         """Builds the engine with `build_engine` on the loop's thread (its errors raised here); the loop
         runs from start(). `settled`, if given, is called on the loop's thread whenever it has handed out all it
-        had (after each step, before it sleeps, at its end): the engine's own process sends a step's outputs
-        as one message then (batching/engine_process.py)."""
-        self._settled = settled or (lambda: None)
+        had (after each step, with the step's (inference, token) rows; before it sleeps and at its end, with
+        none): the engine's own process sends a step's outputs as one message then (batching/engine_process.py)."""
+        self._settled = settled or (lambda delivered=(): None)
         self._go = threading.Event()  # set by start()
         built: Future[Engine] = Future()
         self._thread = threading.Thread(
@@ -181,8 +181,7 @@ class BatchingManager:
             log.info("batching loop running in %s mode", self.mode)
             while not self._past_stop():
                 self._take_requests()
-                self._step()
-                self._settled()
+                self._settled(self._step())
         except BaseException as err:  # the loop must never die silently with requests waiting
             log.exception("batching loop died")
             self._fail_everything(f"the batching loop died: {type(err).__name__}: {err}")
@@ -272,14 +271,15 @@ class BatchingManager:
             self._answer(inference, error="cancelled")
         self._cancelled.clear()
 
-    def _step(self) -> None:
-        """One step, as nano-vllm's LLMEngine.step(): run the engine, deliver, observe, retire."""
+    def _step(self) -> list[tuple[Inference, int | None]]:
+        """One step, as nano-vllm's LLMEngine.step(): run the engine, deliver, observe, retire. Its rows'
+        (inference, token), token None for a prompt chunk short of the prompt's end."""
         began = time.monotonic()
         if self.settings.fault_hang_at_step == self.engine.num_steps + 1:
             self._hang.wait()  # fault injection, for tests of /health: this step hangs until shutdown
         results = self.engine.step()  # schedule, run the model, sample, commit (generate/engine.py)
         if not results:
-            return
+            return []
         news = StepNews(self.engine.step_log.last, began, active=self._active.values(), queued=self._num_incoming)
         for seq, token in results:
             self._deliver(self._active[seq.seq_id], token, seq.status is Status.FINISHED, news)
@@ -287,32 +287,19 @@ class BatchingManager:
         for inference in news.finished:
             del self._active[inference.seq.seq_id]
             self._release(inference)
+        return news.delivered
 
     @staticmethod
     def _deliver(inference: Inference, token: int | None, finished: bool, news: StepNews) -> None:
-        """The text a step released, to a streaming client: the first at once, then every `stream_interval`
-        tokens, and a completion's last delta always. Sequences end in the engine (Sequence.append decides,
-        stop strings included); here they are only answered."""
+        """A step's token, and the text it released to a streaming client (Inference.stream). Sequences end in
+        the engine (Sequence.append decides, stop strings included); here they are only answered."""
         news.delivered.append((inference, token))
         if token is None and not finished:  # a prompt chunk short of the prompt's end
             return
         if finished:
             inference.finish()
             news.finished.append(inference)
-        if inference.text is None:
-            return
-        if finished:
-            inference.text.finish()
-        elif not inference.stream_due():
-            return  # its text waits in the text stream for the next delta
-        piece = inference.text.take()
-        if inference.chunks is not None and (piece or finished):
-            inference.streamed_tokens = inference.seq.num_generated
-            inference.chunks.put(
-                Delta(
-                    inference.index, piece, inference.seq.num_generated, inference.finish_reason if finished else None
-                )
-            )
+        inference.stream(finished)
 
     def _answer(self, inference: Inference, error: str) -> None:
         """An inference that ends outside a step: cancelled, or failed with the loop (one that ended in

@@ -4,8 +4,8 @@ msgpack through msgspec, as vLLM's engine core speaks: plain numbers, strings an
 array, so nothing a client sent is ever unpickled and a step's message stays a few bytes a row. Each front end
 (a gunicorn worker; API_SERVER_COUNT of them) says Hello with its process id, its name in every message after;
 then it sends Submit, Cancel and Call. The engine answers Hello with Ready, then sends each front end batches
-(lists) of Ack, Out, Reply and Status, as many as were ready for it when its sender woke: a step's deltas leave
-together.
+(lists) of Ack, Tokens, Ended, Reply and Status, as many as were ready for it when its sender woke: a step's
+tokens leave together, as one Tokens of ids; the front end makes their text.
 """
 
 import msgspec
@@ -50,7 +50,6 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     rid: int
     completions: list[Completion]
     stop: list[str]
-    stream_interval: int  # 0: not streamed (the engine sends the text when it ends)
     priority: int
     tenant: str
     lora: str | None
@@ -105,26 +104,27 @@ class Ack(msgspec.Struct, tag="ack", array_like=True):
     refusal: tuple[str, int, str, int, str] | None
 
 
-class End(msgspec.Struct, array_like=True):
-    """How a completion ended: its answer follows."""
+class Tokens(msgspec.Struct, tag="tokens", array_like=True):
+    """A step's new tokens for one front end's completions, as columns: row i is token ids[i] of completion
+    indices[i] of request rids[i]. Numbers only, a few bytes a row; the rare extras by row: the token's
+    log-probabilities for a completion that asked, its prompt's with a completion's first token."""
 
-    finish_reason: str | None
-    error: str | None
-    text: str  # all its text (a streamed one's deltas carried it too)
-    num_cached_prompt_tokens: int | None
+    rids: list[int]
+    indices: list[int]
+    ids: list[int]
+    logprobs: list[tuple[int, Logprobs]]
+    prompt_logprobs: list[tuple[int, Logprobs]]
 
 
-class Out(msgspec.Struct, tag="out", array_like=True):
-    """A completion's tokens since its last Out (its first Out: with its prompt's log-probabilities, if asked), then
-    a delta for its stream (text, tokens so far, finish reason) or its end."""
+class Ended(msgspec.Struct, tag="ended", array_like=True):
+    """How a completion ended (after the Tokens that carried its last token): its answer follows."""
 
     rid: int
     index: int
-    ids: list[int]
-    logprobs: Logprobs
-    prompt_logprobs: Logprobs
-    delta: tuple[str, int, str | None] | None
-    end: End | None
+    finish_reason: str | None
+    error: str | None
+    num_cached_prompt_tokens: int | None
+    prompt_logprobs: Logprobs  # its prompt's, if asked and no token carried them (none was generated)
 
 
 class Reply(msgspec.Struct, tag="reply", array_like=True):
@@ -143,5 +143,5 @@ class Status(msgspec.Struct, tag="status", array_like=True):
     loras: list[Adapter]  # every adapter loaded now: one loaded through another front end shows here too
 
 
-FromEngine = Ready | Ack | Out | Reply | Status
+FromEngine = Ready | Ack | Tokens | Ended | Reply | Status
 STATUS_S = 0.25

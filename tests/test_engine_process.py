@@ -257,11 +257,11 @@ def test_a_request_the_engine_cannot_take_is_refused_alone(tmp_path):
             **{**{f: getattr(params, f) for f in params.__struct_fields__}, "constraint": ("nope", "", None)}
         )
         refused = core._submit_or_refuse(
-            wire.Submit(7, 1, [wire.Completion([1, 2], bad, False, False)], [], 0, 0, "", None)
+            wire.Submit(7, 1, [wire.Completion([1, 2], bad, False, False)], [], 0, "", None)
         )
         assert refused.refusal is not None and refused.refusal[1] == 400 and "nope" in refused.refusal[2]
         accepted = core._submit_or_refuse(
-            wire.Submit(7, 2, [wire.Completion([1, 2], params, False, False)], [], 0, 0, "", None)
+            wire.Submit(7, 2, [wire.Completion([1, 2], params, False, False)], [], 0, "", None)
         )
         assert accepted.refusal is None
         wait_until(lambda: (7, 2) not in core.requests)  # answered: its end went out
@@ -271,5 +271,6 @@ def test_a_request_the_engine_cannot_take_is_refused_alone(tmp_path):
     queued = []
     while not core.outgoing.empty():
         queued += [message for client, message in core.outgoing.get_nowait() if client == 7]
-    (end,) = [m for m in queued if isinstance(m, wire.Out) and m.end is not None]
-    assert (end.rid, end.end.finish_reason, len(end.ids)) == (2, "length", 4)
+    (end,) = [m for m in queued if isinstance(m, wire.Ended)]
+    tokens = [i for m in queued if isinstance(m, wire.Tokens) for rid, i in zip(m.rids, m.ids) if rid == 2]
+    assert (end.rid, end.finish_reason, len(tokens)) == (2, "length", 4)
