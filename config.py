@@ -203,9 +203,10 @@ class Settings:
     # Streaming: tokens per streamed event after the first, as vLLM's --stream-interval (a request's own
     # `stream_interval` may raise it); more per event wakes fewer request threads, so less Python per step
     stream_interval: int = 1
-    # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: "on" runs the engine (model, KV cache, scheduler, the loop) in a
-    # process of its own (batching/engine_process.py), so no request thread's Python competes with its steps
-    engine_process: str = "off"
+    # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING, on by default as there: the engine (model, KV cache, scheduler, the
+    # loop) in a process of its own (batching/engine_process.py), so no request thread's Python competes with its
+    # steps; "off": one process, the engine's loop a thread of the gunicorn worker
+    engine_process: str = "on"
     # vLLM's --api-server-count: gunicorn workers (front ends: HTTP, tokenizing, rendering, streams), all on one
     # engine process that the gunicorn master starts (batching/engine_process.py's EngineKeeper); 1: one worker
     api_server_count: int = 1

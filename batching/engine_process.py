@@ -67,7 +67,10 @@ def run(
     serve every front end that says Hello until Stop or the parent's end. `tenants`: each keyed tenant's (weight,
     max waiting, max running); `restarts`: how many engines died before this one."""
     _exit_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the whole group: the front end decides
+    # A terminal's ^C, or a SIGTERM to the whole group (cluster.sh stopping its replicas), reaches this process too:
+    # the front end decides (it drains, then sends Stop), and this process never outlives its keeper's.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
@@ -113,7 +116,7 @@ class EngineKeeper:
         """The keeper's process is exiting (gunicorn's master, its workers gone): the engine ends with it."""
         self.stopping = True
         if self.process is not None:
-            self.process.terminate()
+            self.process.kill()  # it ignores SIGTERM (run), and has nobody left to answer
             self.process.join(timeout=10)
 
     def start(self) -> None:

@@ -179,7 +179,7 @@ class BatchingManager:
         self._go.wait()
         try:
             log.info("batching loop running in %s mode", self.mode)
-            while not self._past_stop():
+            while not self._stopped():
                 self._take_requests()
                 self._settled(self._step())
         except BaseException as err:  # the loop must never die silently with requests waiting
@@ -189,8 +189,11 @@ class BatchingManager:
             self._fail_everything("the server shut down before this request finished")
         self._settled()
 
-    def _past_stop(self) -> bool:
-        return self._stop_at is not None and time.monotonic() >= self._stop_at
+    def _stopped(self) -> bool:
+        """Shutting down, and its grace over or nothing left to finish (a drained engine's process exits then)."""
+        if self._stop_at is None:
+            return False
+        return time.monotonic() >= self._stop_at or not (self.engine.has_work() or self._incoming)
 
     def _take_requests(self) -> None:
         """Move requests from the queue into the engine, as the mode allows; sleep when idle."""
@@ -200,7 +203,7 @@ class BatchingManager:
             if not engine.has_work() and not self._incoming:
                 self._check_cache()
                 self.admission.publish(engine.scheduler.waiting, engine.scheduler.running)  # nothing left
-            while not engine.has_work() and not self._incoming and not self._past_stop():
+            while not engine.has_work() and not self._incoming and not self._stopped():
                 self.observer.idle()
                 self._settled()
                 self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())

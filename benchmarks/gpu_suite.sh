@@ -34,8 +34,9 @@
 #   bash benchmarks/gpu_suite.sh tree-ab            # one short call (after base): decode steps and saturate at
 #                                                    #   STREAM_INTERVAL=1, this tree against .base in turns
 #   bash benchmarks/gpu_suite.sh engine-process      # one call (after base): the engine process's tests on the GPU,
-#                                                    #   saturate with ENGINE_PROCESS off and on in turns (128 at
-#                                                    #   STREAM_INTERVAL 1; 32; 512), seed-like (20), decode steps
+#                                                    #   saturate with ENGINE_PROCESS off, on, and on with
+#                                                    #   API_SERVER_COUNT=4 in turns (128 at STREAM_INTERVAL 1; 32;
+#                                                    #   512 with 1 and 4 front ends), seed-like (20), decode steps
 #                                                    #   against .base
 #   bash benchmarks/gpu_suite.sh servers             # one call: real servers at a 7-token budget, the API's tests
 #   bash benchmarks/gpu_suite.sh kv-cache            # one call: the Triton kernels' tests (quantized caches: int8,
@@ -337,23 +338,27 @@ tree_ab() {  # ~4 minutes at most: is a change of speed the tree's or the machin
   archive tree-ab "${runs[@]}" saturate-128-interval-1-switch
 }
 
-engine_process() {  # ~5 minutes at most: ENGINE_PROCESS off against on, the same machine, in turns
+engine_process() {  # ~6 minutes at most: ENGINE_PROCESS off against on, 1 and 4 front ends, the same machine, in turns
   step cuda-engine-process 80 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_engine_process.py \
     -k "every_mode and dynamic or in_process"
-  local runs=() layout name common=(--workload saturate --modes dynamic)
-  for layout in off on off on; do
+  # layouts: one process; the engine's process with one front end; with four (API_SERVER_COUNT)
+  local runs=() layout name common=(--workload saturate --modes dynamic) fronts
+  for layout in off on on-4 off on on-4; do
     name=saturate-128-interval-1-engine-$layout-${#runs[@]}
-    benchmark "$name" 30 ENGINE_PROCESS=$layout -- "${common[@]}" --numsamples 128
+    fronts=${layout#on-}; [ "$fronts" = "$layout" ] && fronts=1
+    benchmark "$name" 30 ENGINE_PROCESS=${layout%%-*} API_SERVER_COUNT=$fronts -- "${common[@]}" --numsamples 128
     runs+=("$name")
   done
   benchmark saturate-128-interval-32-engine-on 30 ENGINE_PROCESS=on STREAM_INTERVAL=32 -- "${common[@]}" --numsamples 128
-  benchmark saturate-512-interval-1-engine-on 40 ENGINE_PROCESS=on -- "${common[@]}" --numsamples 512
+  for fronts in 1 4; do
+    benchmark saturate-512-interval-1-engine-on-$fronts 40 API_SERVER_COUNT=$fronts -- "${common[@]}" --numsamples 512
+    runs+=(saturate-512-interval-1-engine-on-$fronts)
+  done
   benchmark seed-like-engine-on 45 ENGINE_PROCESS=on -- --workload seed-like --numsamples 20 --modes dynamic
   local decode=("$PY" -m benchmarks.decode_step --batch-sizes 128,256 --context 200 --steps 20)
   step decode-after 30 "${decode[@]}"
   [ -f .base/client/benchmark.py ] && step decode-base 30 env -C .base "${decode[@]}"
-  archive engine-process "${runs[@]}" saturate-128-interval-32-engine-on saturate-512-interval-1-engine-on \
-    seed-like-engine-on
+  archive engine-process "${runs[@]}" saturate-128-interval-32-engine-on seed-like-engine-on
 }
 
 servers() {  # ~4.5 minutes at most: real servers at a 7-token step budget, then the API at the default one

@@ -149,12 +149,14 @@ def model(client) -> str:
 
 @pytest.fixture
 def make_app(tiny_checkpoint):
-    """An app (Flask test client's side of the server) over the tiny checkpoint, and its batching manager."""
+    """An app (Flask test client's side of the server) over the tiny checkpoint, and its batching manager (in this
+    process: real servers, tests through HTTP, run the engine's process)."""
     from app import create_app
     from config import Settings
 
     def make(**settings):
         settings.setdefault("kv_cache_blocks", 256)
+        settings.setdefault("engine_process", "off")  # the engine in this process: a test may reach into it
         app = create_app(Settings.of(model=str(tiny_checkpoint), **settings))
         return app, app.extensions["server"].manager
 
