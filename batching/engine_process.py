@@ -139,7 +139,9 @@ class EngineKeeper:
             pid, code = self.process.pid, self.process.exitcode
             log.error("engine process %d exited (exit code %s): starting another", pid, code)
             self.restarts += 1
-            while (process := self._try_spawn()) is None and not self.stopping:
+            while (process := self._try_spawn()) is None:
+                if self.stopping:
+                    return
                 time.sleep(1.0)  # a pause before the next try, not a wait for an event
             self.process = process
             log.warning("engine process restarted (%d restart(s) so far)", self.restarts)
@@ -155,16 +157,16 @@ class EngineKeeper:
         """One engine process, started with spawn (never a fork of a process that may hold CUDA or OpenMP state),
         once it has said it is built; its failure, or its death before, raised as RuntimeError."""
         spawn = multiprocessing.get_context("spawn")
-        theirs_read, theirs = spawn.Pipe(duplex=False)
+        ours, theirs = spawn.Pipe(duplex=False)  # the child says "ready" or "failed" on `theirs`
         settings, build_engine, tenants, directory = self.recipe
         args = (settings, build_engine, tenants, directory, os.getpid(), self.restarts, theirs)
         process = spawn.Process(target=run, args=args, name="engine", daemon=True)
         process.start()
         theirs.close()
         log.info("engine process %d started", process.pid)
-        connection.wait([theirs_read, process.sentinel])
+        connection.wait([ours, process.sentinel])
         try:
-            kind, detail = theirs_read.recv()
+            kind, detail = ours.recv()
         except EOFError:
             process.join()
             raise RuntimeError(f"the engine process exited while starting (exit code {process.exitcode})") from None
