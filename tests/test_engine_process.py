@@ -38,12 +38,12 @@ def children(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
+    """Running and not a zombie; a process reaped while we look is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone, or going while we read
         return False
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state != "Z"
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @contextlib.contextmanager
