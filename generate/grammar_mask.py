@@ -93,6 +93,8 @@ class GrammarMasks:
 
     def start(self, seqs: list[Sequence]) -> StepMasks | None:
         """Begin filling the masks of the step's constrained sampling rows; None if there are none."""
+        if all(s.matcher is None for s in seqs):
+            return None  # most steps: no row is constrained
         sampling = [s for s in seqs if s.samples_this_step]
         rows = [i for i, s in enumerate(sampling) if s.matcher is not None]
         if not rows:

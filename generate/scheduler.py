@@ -50,7 +50,6 @@ a more urgent candidate. What the step has left to hand out (tokens, seats, bloc
 import bisect
 import itertools
 import time
-from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -88,15 +87,18 @@ class StepBudget:
 
     def held_back(self, seq: Sequence) -> bool:
         """A prompt chunk that waits this step for a more urgent prompt's (PRIORITY_PREFILL_FIRST)."""
+        if not self.prefill_first:
+            return False
         more_urgent = self.prefilling is not None and seq.priority > self.prefilling
-        return self.prefill_first and seq.num_new_tokens > 1 and more_urgent
+        return seq.num_new_tokens > 1 and more_urgent
 
     def take(self, seq: Sequence) -> Sequence:
         """Schedule as much of `seq`'s new tokens as the budget has (there are some left)."""
-        assert self.tokens > 0 and seq.num_new_tokens > 0
-        seq.num_scheduled_tokens = min(seq.num_new_tokens, self.tokens)
+        new = seq.num_new_tokens
+        assert self.tokens > 0 and new > 0
+        seq.num_scheduled_tokens = min(new, self.tokens)
         self.tokens -= seq.num_scheduled_tokens
-        if seq.num_new_tokens > 1:  # a prompt chunk
+        if new > 1:  # a prompt chunk
             self.prefilling = seq.priority if self.prefilling is None else min(self.prefilling, seq.priority)
         return seq
 
@@ -184,7 +186,10 @@ class Scheduler:
         budget.prefilling = self.waiting[0].priority if self.waiting else None
         scheduled = []
         # The running: decodes first (one token each, and running <= budget), then prompt chunks, most urgent first.
-        for seq in sorted(self.running, key=self._chunk_order):
+        # by_rank holds the running in rank order: the decodes' order as it is, only the chunks' to sort.
+        assert len(by_rank) == len(self.running)
+        chunks = sorted((s for s in by_rank if s.num_new_tokens > 1), key=self._chunk_order)
+        for seq in [s for s in by_rank if s.num_new_tokens <= 1] + chunks:
             if budget.tokens == 0:
                 break
             if seq.fork_of is None and not budget.held_back(seq):
@@ -233,15 +238,18 @@ class Scheduler:
 
     def charge(self, scheduled: list[Sequence]) -> None:
         """Charge each tenant for the tokens its scheduled sequences draw (fair share's service)."""
-        for tenant, tokens in Counter(s.tenant for s in scheduled if s.samples_this_step).items():
+        generated: dict[str, int] = {}
+        for seq in scheduled:
+            if seq.samples_this_step:
+                generated[seq.tenant] = generated.get(seq.tenant, 0) + 1
+        for tenant, tokens in generated.items():
             self.fair.charge(tenant, generated_tokens=tokens)  # once a tenant, not once a sequence
 
     def _chunk_order(self, seq: Sequence) -> tuple:
-        """Decodes first (all of them fit the budget), then prompt chunks in rank order, or with fair share
-        by priority, then the least-served tenant."""
-        if seq.num_new_tokens > 1 and self._fair_now:
-            return (True, seq.priority, self.fair.service(seq.tenant), self.rank(seq))
-        return (seq.num_new_tokens > 1, self.rank(seq))
+        """Prompt chunks in rank order, or with fair share by priority, then the least-served tenant."""
+        if self._fair_now:
+            return (seq.priority, self.fair.service(seq.tenant), self.rank(seq))
+        return (self.rank(seq),)
 
     def _candidate(self) -> Sequence:
         """The waiting sequence admitted next: the head, or with fair share the least-served tenant's first

@@ -142,8 +142,10 @@ class Sequence:
     @property
     def samples_this_step(self) -> bool:
         """Whether the scheduled tokens reach the end, so the step gives this sequence a next token."""
-        end = self.num_computed_tokens + self.num_scheduled_tokens
-        return self.num_scheduled_tokens > 0 and end == len(self.token_ids) and not self.prompt_only
+        scheduled = self.num_scheduled_tokens
+        end = self.num_computed_tokens + scheduled
+        # max_tokens 0 is prompt_only, spelled out: read a few times a row and step, a property costs a call
+        return scheduled > 0 and end == len(self.token_ids) and self.params.max_tokens != 0
 
     @property
     def reads_prefix_cache(self) -> bool:

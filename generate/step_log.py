@@ -68,8 +68,10 @@ class StepLog:
 
     @property
     def last(self) -> StepRecord | None:
-        records = self._records.copy()  # deque.copy is atomic under the GIL; iteration is not
-        return records[-1] if records else None
+        try:
+            return self._records[-1]  # one indexing, atomic under the GIL (a copy of them all was not needed)
+        except IndexError:
+            return None
 
     def since(self, index: int) -> list[StepRecord]:
         """Records of steps after `index` that are still kept, oldest first."""

@@ -129,13 +129,13 @@ class BlockManager:
 
     def commit(self, seq: SequenceBlocks, num_computed_tokens: int) -> None:
         """Offer blocks filled by computed tokens to the prefix cache."""
-        if self.trie is None:
-            return
-        bs = self.block_size
-        for i in range(seq.num_committed_blocks, num_computed_tokens // bs):
+        bs, full = self.block_size, num_computed_tokens // self.block_size
+        if self.trie is None or full <= seq.num_committed_blocks:
+            return  # most steps of a sequence fill no block
+        for i in range(seq.num_committed_blocks, full):
             parent = seq.block_table[i - 1] if i else None
             self.trie.insert(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.block_table[i], seq.lora_id)
-        seq.num_committed_blocks = max(seq.num_committed_blocks, num_computed_tokens // bs)
+        seq.num_committed_blocks = full
 
     def free(self, seq: SequenceBlocks) -> None:
         # Deepest block first, so that among equally old blocks the tail of a prefix goes first.

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batching.telemetry.events import PHASE_AFTER, EventLog
 from batching.telemetry.live import LIVE_VALUES
 from batching.telemetry.step_summary import summarize
-from batching.telemetry.window import StepTokens, Window
+from batching.telemetry.window import MAX_SAMPLES, StepTokens, Window
 from generate.step_log import STAGES, StepRecord
 from model.tokenizer import load_tokenizer
 
@@ -127,6 +127,19 @@ def test_window_counts_tokens_when_they_come_not_when_requests_end():
     young.add_step(StepTokens(at=99.0, tokens=4, ttfts=(), gaps=()))
     assert young.figures(now=100.0)["output_tokens_per_s"] == pytest.approx(2.0)
     assert Window(10.0, 0.0).figures(100.0)["ttft_s"] == {"mean": None, "p50": None, "p99": None}
+
+
+def test_window_latencies_are_over_its_latest_gaps_only():
+    window = Window(seconds=60.0, started_at=0.0)
+    for step in range(MAX_SAMPLES // 100):  # MAX_SAMPLES gaps of 1 s, 100 a step
+        window.add_step(StepTokens(at=10.0 + step * 1e-3, tokens=100, ttfts=(), gaps=((step, 1.0),) * 100))
+    for step in range(MAX_SAMPLES // 100):  # then 50 fewer of 3 s, the last step's cut to 50
+        gaps = ((step, 3.0),) * (100 if step < MAX_SAMPLES // 100 - 1 else 50)
+        window.add_step(StepTokens(at=30.0 + step * 1e-3, tokens=len(gaps), ttfts=(), gaps=gaps))
+    figures = window.figures(now=50.0)
+    assert figures["tokens_generated"] == 2 * MAX_SAMPLES - 50  # tokens are counted, not sampled
+    # the latest MAX_SAMPLES gaps: all MAX_SAMPLES - 50 of 3 s and the last 50 of 1 s
+    assert figures["itl_s"]["mean"] == pytest.approx((3.0 * (MAX_SAMPLES - 50) + 50) / MAX_SAMPLES)
 
 
 # --- through the app ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ name and, where it has one, under vLLM's, so the two can never count differently
 """
 
 from bisect import bisect_left
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # 1 ms to 10 min, roughly x2.5 apart: inter-token gaps live at the low end, queueing at the high end.
@@ -82,6 +83,14 @@ class Histogram:
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1  # a bound is inclusive ("le")
         self.sum += value
+
+    def observe_all(self, values: Iterable[float]) -> None:
+        """observe() of each value (a step's inter-token gaps: one call a step, not one a token)."""
+        counts, bounds, total = self.counts, self.bounds, 0.0
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+            total += value
+        self.sum += total
 
     def cumulative(self) -> tuple[list[tuple[str, int]], float]:
         """[(le, count), ...] ending with +Inf, and the sum: what a Prometheus histogram exposes."""

@@ -210,10 +210,8 @@ class LiveTable:
         (request id, seconds since its previous token) of every later token."""
         ttfts = tuple(inference.ttft_s for inference in firsts)
         with self._lock:
-            for ttft in ttfts:
-                self.histograms["ttft"].observe(ttft)
-            for _, gap in gaps:
-                self.histograms["itl"].observe(gap)
+            self.histograms["ttft"].observe_all(ttfts)
+            self.histograms["itl"].observe_all(gap for _, gap in gaps)
         self.stats.count_tokens(sum(inference.seq.num_prompt_tokens for inference in firsts), tokens)
         self.window.add_step(StepTokens(time.time(), tokens, ttfts, tuple(gaps)))
 

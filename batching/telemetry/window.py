@@ -34,7 +34,9 @@ class Window:
         self.seconds, self.started_at = seconds, started_at
         self._steps: deque[tuple[float, int]] = deque(maxlen=MAX_STEPS)  # (Unix time, tokens)
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (Unix time, TTFT)
-        self._gaps: deque[tuple[float, int, float]] = deque(maxlen=MAX_SAMPLES)  # (Unix time, request, gap)
+        # (Unix time, a step's (request, gap) pairs): a step's together, one entry a step rather than one a token
+        self._gaps: deque[tuple[float, tuple[tuple[int, float], ...]]] = deque()
+        self._num_gaps = 0  # in _gaps, kept to MAX_SAMPLES and a step's more at most
         self._endings: deque[tuple[float, str]] = deque(maxlen=MAX_STEPS)  # (Unix time, event kind)
         self._lock = threading.Lock()
 
@@ -43,7 +45,11 @@ class Window:
         with self._lock:
             self._steps.append((at, entry.tokens))
             self._ttfts.extend((at, ttft) for ttft in entry.ttfts)
-            self._gaps.extend((at, request, gap) for request, gap in entry.gaps)
+            if entry.gaps:
+                self._gaps.append((at, entry.gaps))
+                self._num_gaps += len(entry.gaps)
+            while self._gaps and self._num_gaps - len(self._gaps[0][1]) >= MAX_SAMPLES:  # the rest hold enough
+                self._num_gaps -= len(self._gaps.popleft()[1])
             self._drop_before(at - self.seconds)
 
     def add_ending(self, at: float, kind: str) -> None:
@@ -52,9 +58,11 @@ class Window:
             self._drop_before(at - self.seconds)
 
     def _drop_before(self, start: float) -> None:
-        for ring in (self._steps, self._ttfts, self._gaps, self._endings):
+        for ring in (self._steps, self._ttfts, self._endings):
             while ring and ring[0][0] < start:
                 ring.popleft()
+        while self._gaps and self._gaps[0][0] < start:
+            self._num_gaps -= len(self._gaps.popleft()[1])
 
     def figures(self, now: float) -> dict:
         """The window's figures as /stats ("window") and /stats/timeline report them."""
@@ -62,7 +70,7 @@ class Window:
         with self._lock:
             tokens = sum(n for at, n in self._steps if at >= start)
             ttfts = [ttft for at, ttft in self._ttfts if at >= start]
-            gaps = [(request, gap) for at, request, gap in self._gaps if at >= start]
+            gaps = [pair for at, pairs in self._gaps if at >= start for pair in pairs][-MAX_SAMPLES:]
             endings = [kind for at, kind in self._endings if at >= start]
         per_request: dict[int, list[float]] = {}
         for request, gap in gaps:
