@@ -216,8 +216,8 @@ class Engine:
         tokens = last.launched.read()
         clock = last.clock
         clock.lap("sample")
+        # the tokens of sequences that ended meanwhile are thrown away (nor counted as sampled)
         live = [(s, t) for s, t in zip(last.seqs, tokens) if s.status is Status.RUNNING]
-        last.record.num_sampled = len(live)  # the tokens of sequences that ended meanwhile are thrown away
         results = self._retire([s for s, _ in live], [t for _, t in live], last.record, clock)
         for seq in behind.seqs if behind else []:
             seq.num_scheduled_tokens = 1  # the token just appended, which `behind` computes
@@ -238,6 +238,7 @@ class Engine:
                 seq.end("length")  # nothing to generate: its prompt's log-probabilities were the point
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)
+        record.num_sampled = len(tokens) - tokens.count(None)
         record.stages = clock.stages
         record.duration_s = clock.elapsed()
         self.step_log.append(record)  # once computed: a launched step's record waits for its tokens
@@ -254,7 +255,7 @@ class Engine:
             num_decodes=len(seqs) - len(prefills),
             num_prefills=len(prefills),
             num_prefill_tokens=sum(s.num_scheduled_tokens for s in prefills),
-            num_sampled=sum(s.samples_this_step for s in seqs),
+            num_sampled=0,  # counted from its tokens when the step is retired
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_blocks_used=blocks.num_used_blocks,

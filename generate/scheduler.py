@@ -188,8 +188,10 @@ class Scheduler:
         # The running: decodes first (one token each, and running <= budget), then prompt chunks, most urgent first.
         # by_rank holds the running in rank order: the decodes' order as it is, only the chunks' to sort.
         assert len(by_rank) == len(self.running)
-        chunks = sorted((s for s in by_rank if s.num_new_tokens > 1), key=self._chunk_order)
-        for seq in [s for s in by_rank if s.num_new_tokens <= 1] + chunks:
+        decodes, chunks = [], []
+        for seq in by_rank:
+            (chunks if seq.num_new_tokens > 1 else decodes).append(seq)
+        for seq in decodes + sorted(chunks, key=self._chunk_order):
             if budget.tokens == 0:
                 break
             if seq.fork_of is None and not budget.held_back(seq):

@@ -191,19 +191,18 @@ class Sequence:
             self.end("error")
 
     def _decide_end(self, token: int) -> None:
-        may_stop = self.num_generated >= self.params.min_tokens
-        grammar_ended = self._advance_matcher(token)
-        if token == EOT_ID and (grammar_ended or (self.params.stop_at_eos and may_stop)):
+        generated, params = self.num_generated, self.params  # once: this runs for every row of every step
+        may_stop = generated >= params.min_tokens
+        grammar_ended = self.matcher is not None and self._advance_matcher(token)
+        if token == EOT_ID and (grammar_ended or (params.stop_at_eos and may_stop)):
             self.end("stop")  # the end-of-text token is no text: the stop checker never sees it
         elif (self.stop is not None and self.stop.stops_at(token, may_stop)) or grammar_ended:
             self.end("stop")
-        elif self.num_generated >= self.params.max_tokens:
+        elif generated >= params.max_tokens:
             self.end("length")
 
     def _advance_matcher(self, token: int) -> bool:
         """Feed the token to the constraint's matcher; whether the grammar has ended (it takes nothing more)."""
-        if self.matcher is None:
-            return False
         # drawn from the matcher's own mask, so accepted, unless the matcher is in an error state (a grammar past
         # llguidance's limits at this step) or the logits were not numbers
         if not self.matcher.consume_token(token):

@@ -86,9 +86,11 @@ class Histogram:
 
     def observe_all(self, values: Iterable[float]) -> None:
         """observe() of each value (a step's inter-token gaps: one call a step, not one a token)."""
-        counts, bounds, total = self.counts, self.bounds, 0.0
+        counts, bounds, total, last, bucket = self.counts, self.bounds, 0.0, None, 0
         for value in values:
-            counts[bisect_left(bounds, value)] += 1
+            if value != last:  # a step's gaps are mostly one value: its rows' previous tokens came in one step
+                last, bucket = value, bisect_left(bounds, value)
+            counts[bucket] += 1
             total += value
         self.sum += total
 
