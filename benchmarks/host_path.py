@@ -14,14 +14,28 @@ end's).
     python -m benchmarks.host_path                                   # 20 ms steps: 128 and 256 requests
     python -m benchmarks.host_path --step-ms 3 --requests 128 --engine-process off,on --stream-interval 1
     python -m benchmarks.host_path --requests 128 --engine-process on --api-server-count 1,2
+    python -m benchmarks.host_path --loop-only --requests 128 --step-ms 1 --rounds 3
+
+--loop-only measures the engine's own time without the server around it: the engine process's loop (its
+EngineCore and BatchingManager over the same simulated runner) in this process, fed the requests a front end would
+send (wire.Submit: a 60-token prompt, 500 tokens each, greedy), its messages taken off as its sender would, every
+request --rounds times in turn. No HTTP, no front end, no client shares the cores with it, so its figure is the
+engine's own, which a run through the server also pays, plus whatever the cores it shares cost it there: the step
+less the runner's time from the step records (as above), and the loop's wall-clock time a step less the runner's
+(between steps too: taking requests, handing the step's messages to the sender).
 """
 
 import argparse
+import contextlib
+import functools
 import json
 import os
+import queue
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from sim.profiles import write_fixed_step_profile
@@ -53,6 +67,51 @@ def run(directory: Path, gpu: Path, layout: tuple[str, str], interval: int, requ
     }
 
 
+def loop_only(directory: Path, gpu: Path, requests: int, rounds: int) -> dict:
+    """The engine process's loop in this process, over ENGINE=sim's runner (the module's --loop-only)."""
+    from batching import wire
+    from batching.engine_process import EngineCore
+    from batching.manager import BatchingManager
+    from config import Settings
+    from sim.engine import simulated_engine
+    from sim.runner import SimRunner
+
+    settings = Settings.of(engine="sim", sim_model="gpt2", sim_gpu=str(gpu), dtype="")
+    core = EngineCore(str(directory), restarts=0)
+    build = functools.partial(simulated_engine, settings.engine, announce=False)
+    manager = BatchingManager(build, settings, core.flush)
+    core.attach(manager)
+    manager.start()
+    params = wire.Params(500, 0.0, 0, 1.0, None, False, None, None, 0, 0.0, 0.0, 1.0, [], None)
+    completion = wire.Completion(list(range(1000, 1060)), params, forks=False, faulty=False)
+    runner = manager.engine.runner
+    assert isinstance(runner, SimRunner)
+    run, runner_s = runner.run, [0.0]
+
+    def timed_run(*args, **kwargs):  # the runner's whole time, sleep and cost model: not the engine's own
+        start = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            runner_s[0] += time.perf_counter() - start
+
+    runner.run = timed_run
+    first, start = manager.engine.num_steps, time.perf_counter()
+    for round_ in range(rounds):
+        for rid in range(requests):
+            ack = core.submit(wire.Submit(os.getpid(), round_ * requests + rid, [completion], [], 0, "", None))
+            assert ack.refusal is None, ack
+        while core.requests:  # as the sender: every message taken off
+            with contextlib.suppress(queue.Empty):
+                core.outgoing.get(timeout=0.1)
+    elapsed, steps = time.perf_counter() - start, manager.engine.num_steps - first
+    records = manager.engine.step_log.since(first)
+    manager.shut_down(0)
+    manager.join()
+    own = [r.duration_s - sum(r.stages.get(stage, 0.0) for stage in RUNNER_STAGES) for r in records]
+    return {"steps": steps, "engine_ms": statistics.mean(own) * 1e3, "loop_ms": (elapsed - runner_s[0]) / steps * 1e3}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step-ms", type=float, default=20.0, help="each step's time (the runner sleeps it)")
@@ -61,7 +120,18 @@ def main() -> int:
     parser.add_argument("--api-server-count", default="1", help="front ends; above 1 with ENGINE_PROCESS=on only")
     parser.add_argument("--stream-interval", default="1,32")
     parser.add_argument("--rounds", type=int, default=1, help="each setting this many times, in turns")
+    parser.add_argument("--loop-only", action="store_true", help="the engine's loop alone, in this process")
     args = parser.parse_args()
+    if args.loop_only:
+        print(f"the engine process's loop alone over ENGINE=sim, every step {args.step_ms:g} ms of sleep")
+        print("requests | rounds | steps | engine's own ms/step (records) | loop's ms/step less the runner")
+        with tempfile.TemporaryDirectory() as tmp:
+            gpu = write_fixed_step_profile(Path(tmp), args.step_ms / 1e3)
+            for requests in args.requests.split(","):
+                r = loop_only(Path(tmp), gpu, int(requests), args.rounds)
+                own, loop = r["engine_ms"], r["loop_ms"]
+                print(f"{requests:>8} | {args.rounds:>6} | {r['steps']:>5} | {own:30.3f} | {loop:.3f}")
+        return 0
     print(f"ENGINE=sim, every step {args.step_ms:g} ms of sleep; saturate, every request streamed")
     print("requests | ENGINE_PROCESS | API_SERVER_COUNT | STREAM_INTERVAL | out tok/s | host ms/step (mean, p50) | "
           "engine's own ms/step | server CPU µs/token")  # fmt: skip
