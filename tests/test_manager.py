@@ -1,6 +1,7 @@
 """The batching loop under faults, in process: queue limits, timeouts, and a loop that dies."""
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -122,3 +123,30 @@ def test_the_engine_is_built_and_stepped_on_the_loop_thread(make_app, monkeypatc
     manager.engine.step = recording_step
     assert post(app, {"prompt": "one thread", "num_tokens": 2}).status_code == 200
     assert threads["built"] is threads["stepped"] is not threading.current_thread()
+
+
+def test_the_cache_is_verified_once_the_loop_has_idled_a_while_and_a_fault_shows_in_stats(make_app):
+    """The integrity check waits IDLE_CHECK_S of idleness: at once, a large pool's check delayed the request
+    that ended a short idle spell."""
+    from batching.manager import IDLE_CHECK_S
+
+    app, manager = make_app()
+    blocks, checks, broken = manager.engine.blocks, [], threading.Event()
+    verify = blocks.check_integrity
+
+    def recording_check(live):
+        checks.append(time.monotonic())
+        verify(live)
+        if broken.is_set():
+            raise AssertionError("refcounts differ from the block tables")
+
+    blocks.check_integrity = recording_check
+    assert post(app, {"prompt": "first", "num_tokens": 2}).status_code == 200
+    wait_until(lambda: checks, deadline_s=10)  # the loop idles after it: its check comes
+    broken.set()
+    sent_at = time.monotonic()
+    assert post(app, {"prompt": "second", "num_tokens": 2}).status_code == 200
+    stats = lambda: app.test_client().get("/stats").get_json()  # noqa: E731
+    wait_until(lambda: stats()["kv_cache_integrity"] != "ok", deadline_s=10)
+    assert stats()["kv_cache_integrity"] == "refcounts differ from the block tables"
+    assert checks[-1] >= sent_at + IDLE_CHECK_S  # the loop idled after this request, then waited before checking
