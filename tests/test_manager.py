@@ -142,7 +142,8 @@ def test_the_cache_is_verified_once_the_loop_has_idled_a_while_and_a_fault_shows
 
     blocks.check_integrity = recording_check
     assert post(app, {"prompt": "first", "num_tokens": 2}).status_code == 200
-    wait_until(lambda: checks, deadline_s=10)  # the loop idles after it: its check comes
+    answered_at = time.monotonic()
+    wait_until(lambda: checks and checks[-1] > answered_at, deadline_s=10)  # the loop idles after it, checks, waits
     broken.set()
     sent_at = time.monotonic()
     assert post(app, {"prompt": "second", "num_tokens": 2}).status_code == 200
