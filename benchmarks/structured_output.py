@@ -27,10 +27,7 @@ import torch
 from config import EngineSettings
 from generate.constraints import Constraint
 from generate.engine import Engine
-from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
-from kvcache.pool_size import pool_blocks
-from model.loader import load_model
 
 ITEM = {
     "type": "object",
@@ -102,14 +99,13 @@ def main() -> None:
     parser.add_argument("--gpu-step-ms", type=float, default=2.0)
     args = parser.parse_args()
     spec = args.model if os.path.isdir(args.model) else f"random:{args.model}"
-    loaded = load_model(spec, torch.device("cpu"), torch.float32)
-    settings = EngineSettings(kv_cache_gb=args.kv_cache_gb)
-    num_blocks = pool_blocks(settings, loaded.model.config.kv_bytes_per_token(torch.float32), 4 * 2**30)
-    engine = Engine(ModelRunner.from_settings(loaded.model, num_blocks, settings), num_blocks, settings, loaded.name)
+    # as the server builds it (its products, glibc told to keep what a step frees), in float32, on the CPU
+    settings = EngineSettings(model=spec, device="cpu", dtype="float32", kv_cache_gb=args.kv_cache_gb)
+    engine = Engine.from_settings(settings)
     rng = random.Random(0)
     prompts = [[rng.randrange(50256) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     print(
-        f"{loaded.name} on CPU ({torch.get_num_threads()} threads), {args.requests} requests at once, "
+        f"{engine.model_name} on CPU ({torch.get_num_threads()} threads), {args.requests} requests at once, "
         f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, temperature 1; means over decode steps"
     )
     print(f"{'run':<14}{'tok/s':>8}{'forward ms':>12}{'mask ms':>9}{'sample ms':>11}{'fill ms':>9}")
