@@ -75,6 +75,7 @@ class BatchingManager:
         self.failure: str | None = None
         self._stop_at: float | None = None  # set by shut_down()
         self.cache_problem: str | None = None  # from the last idle-time integrity check
+        self._cache_checked = False  # since a request last entered the engine (the loop thread's)
         self._hang = threading.Event()  # FAULT_HANG_AT_STEP: the hung step waits for this (set at shutdown)
         self._cond = threading.Condition()
         self._incoming: deque[tuple[Inference, ...]] = deque()  # requests; guarded by _cond
@@ -224,6 +225,7 @@ class BatchingManager:
             self.admission.publish(engine.scheduler.waiting, engine.scheduler.running)
 
     def _start(self, request: tuple[Inference, ...]) -> None:
+        self._cache_checked = False
         self._num_incoming -= len(request)
         for inference in request:
             self._active[inference.seq.seq_id] = inference
@@ -231,17 +233,20 @@ class BatchingManager:
             self.observer.admitted(inference)
 
     def _wait_for_work(self) -> None:
-        """Wait (the lock held) to be notified, or for the shutdown's grace to end. The KV cache is verified once
-        the wait has lasted IDLE_CHECK_S: a large pool's check takes tens of milliseconds (65,536 blocks: 10-45
-        ms), and done as soon as the loop went idle it delayed the request that ended a short idle spell."""
+        """Wait (the lock held) to be notified, or for the shutdown's grace to end; the caller checks again what
+        there is to do, whatever woke it (a request queued as a timed wait ran out takes its notification with it).
+        The KV cache is verified once an idle spell has lasted IDLE_CHECK_S: a large pool's check takes tens of
+        milliseconds (65,536 blocks: 10-45 ms), and done as soon as the loop went idle it delayed the request that
+        ended a short spell."""
         grace = None if self._stop_at is None else self._stop_at - time.monotonic()
-        if self._cond.wait(timeout=IDLE_CHECK_S if grace is None else min(IDLE_CHECK_S, grace)):
-            return  # notified: work, a cancellation or the shutdown
-        self._check_cache()
-        self._cond.wait(timeout=None if self._stop_at is None else self._stop_at - time.monotonic())
+        if self._cache_checked:
+            self._cond.wait(timeout=grace)
+        elif not self._cond.wait(timeout=IDLE_CHECK_S if grace is None else min(IDLE_CHECK_S, grace)):
+            self._check_cache()
 
     def _check_cache(self) -> None:
         """Verify the KV cache once the server has been idle a while; /stats reports the outcome."""
+        self._cache_checked = True  # until a request enters the engine
         try:
             self.engine.blocks.check_integrity(live=[])
             self.cache_problem = None
