@@ -86,12 +86,12 @@ def loop_only(directory: Path, gpu: Path, requests: int, rounds: int) -> dict:
     completion = wire.Completion(list(range(1000, 1060)), params, forks=False, faulty=False)
     runner = manager.engine.runner
     assert isinstance(runner, SimRunner)
-    run, runner_s = runner.run, [0.0]
+    step_runner, runner_s = runner.run, [0.0]
 
     def timed_run(*args, **kwargs):  # the runner's whole time, sleep and cost model: not the engine's own
         start = time.perf_counter()
         try:
-            return run(*args, **kwargs)
+            return step_runner(*args, **kwargs)
         finally:
             runner_s[0] += time.perf_counter() - start
 

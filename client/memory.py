@@ -8,9 +8,9 @@ from client.cpu import process_tree
 
 PROC = Path("/proc")
 # Each sample walks the page tables of every process in the tree (smaps_rollup: ~6 ms for a gpt2 server at rest,
-# more under load) on the cores the server computes on. Every 0.25 s that took 0.07 of 2 cores from the server,
-# 1-4 % of its burst's tok/s (Xeon, 2 cores); every 1 s, a quarter of that. A burst lasts many seconds, and
-# the last sample comes at the stop.
+# more under load) on the cores the server computes on. Every 0.25 s that took 0.07-0.09 of 2 cores from the
+# server and 1-12 % of its burst's tok/s (Xeon, 2 cores); every 1 s, 0.03 and 1-2 %. A burst lasts many seconds,
+# and the last sample comes at the stop.
 SAMPLE_EVERY_S = 1.0
 MIB = 1024  # /proc reports kB
 
