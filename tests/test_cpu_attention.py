@@ -176,6 +176,34 @@ def test_kernel_over_an_int8_cache(shapes, dtype, block_size, head_dim):
     assert ((got - unquantized).abs() <= allowed).all(), ((got - unquantized).abs() - allowed).max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 50])  # 5 on the calling thread, 50 shared between torch's threads
+def test_store_copies_each_row_into_its_slot_and_nothing_else(dtype, rows):
+    """Keys and values from the model's strided [T, H, D] rows, each (row, head) in its slot of the head-major
+    cache exactly (a copy), with 2 threads where this machine has them; every other slot keeps its poison."""
+    num_blocks, block_size, heads, head_dim = 40, 4, 3, 16
+    gen = torch.Generator().manual_seed(rows)
+    caches = [paged_cache(blocks=num_blocks, block_size=block_size, heads=heads, head_dim=head_dim, dtype=dtype)
+              for _ in range(2)]  # fmt: skip
+    for cache in caches:
+        cache.fill_(float("nan"))
+    k, v = (torch.randn((rows, 3 * heads * head_dim), generator=gen).to(dtype) for _ in range(2))
+    k, v = (x[:, : heads * head_dim].view(rows, heads, head_dim) for x in (k, v))  # strided, as the model's
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    try:
+        cpu_attention.CpuAttention.store(LayerKV(*caches), k, v, slots)
+    finally:
+        torch.set_num_threads(threads)
+
+    for x, stored in ((k, caches[0]), (v, caches[1])):
+        assert torch.equal(stored.view(-1, heads, head_dim)[slots], x)
+        others = torch.ones(num_blocks * block_size, dtype=torch.bool)
+        others[slots] = False
+        assert stored.view(-1, heads, head_dim)[others].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 16, 8])  # 8: no whole vector of 16, the scalar quantization
 def test_store_quantizes_each_row_into_its_slot_and_nothing_else(dtype, head_dim):
