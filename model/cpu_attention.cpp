@@ -591,9 +591,10 @@ void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
     at::Tensor k_scales = quantized ? *k_scale : at::Tensor(), v_scales = quantized ? *v_scale : at::Tensor();
     // On torch's threads, each a contiguous share of the rows (a prompt chunk's rows then fill whole lines of each
-    // head's block from one core). One thread spent 0.048-0.055 ms a layer on a decode step's 64 rows, now
-    // 0.030-0.037; a 256-token chunk 0.080-0.082, now 0.045-0.062 (gpt2, bfloat16, 2 threads, Xeon Sapphire
-    // Rapids); fewer than 16 rows stay on this thread, where the threads' wake-up would cost more than they save.
+    // head's block from one core). One thread spent 0.031-0.042 ms a layer on a decode step's 64 rows, now
+    // 0.018-0.028; a 256-token chunk 0.069-0.080, now 0.036-0.040 (gpt2, bfloat16, 2 threads, Xeon Sapphire
+    // Rapids, benchmarks.decode_step --ops); fewer than 16 rows stay on this thread, where the threads' wake-up
+    // would cost more than they save.
     auto body = [&](int64_t begin, int64_t end) {
       if (quantized) {
         store_quantized<scalar_t>(k_cache, k_scales, k, slot, begin, end);
