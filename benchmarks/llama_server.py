@@ -9,9 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import requests
-
-from client.client import RequestFailed, error_message
+from client.aio_http import HttpError, post
+from client.client import RequestFailed, error_text
 from client.launch import free_port, start_command
 from client.metrics import RequestResult, failure, streamed
 from client.workloads import Request
@@ -44,8 +43,9 @@ def start(
     return proc, url, command
 
 
-def stream_completion(url: str, request: Request, *, timeout: float) -> RequestResult:
-    """`request` greedy through /completion, exactly its length, streamed; never raises for a failed request.
+async def stream_completion(url: str, request: Request, *, timeout: float) -> RequestResult:
+    """`request` greedy through /completion, exactly its length, streamed; never raises for a failed request. A
+    coroutine, as client/stream.py's, on the same event loop.
 
     TTFT and gaps are timed on events that carry text, as for this server: llama-server sends no event for a
     token that ends inside a UTF-8 character and puts its bytes in the next event's text.
@@ -59,7 +59,7 @@ def stream_completion(url: str, request: Request, *, timeout: float) -> RequestR
     }
     start_s = time.perf_counter()
     try:
-        arrivals, final, text = _read_stream(url, body, timeout)
+        arrivals, final, text = await _read_stream(url, body, timeout)
     except RequestFailed as exc:
         return failure(str(exc), time.perf_counter() - start_s, request.num_tokens)
     return streamed(
@@ -73,25 +73,25 @@ def stream_completion(url: str, request: Request, *, timeout: float) -> RequestR
     )
 
 
-def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, Any], str]:
+async def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, Any], str]:
     """When each text event arrived, the closing event (stop: true) and the text; raises RequestFailed."""
     arrivals, pieces, final = [], [], None
     try:
-        with requests.post(f"{url}/completion", json=body, stream=True, timeout=timeout) as response:
-            if response.status_code != 200:
-                raise RequestFailed(f"HTTP {response.status_code}: {error_message(response)}")
-            for line in response.iter_lines():
-                if not line.startswith(b"data: {"):
+        async with post(f"{url}/completion", body, timeout) as response:
+            if response.status != 200:
+                raise RequestFailed(f"HTTP {response.status}: {error_text(await response.body())}")
+            async for arrived, data in response.events():
+                if not data.startswith(b"{"):
                     continue
-                event = json.loads(line.removeprefix(b"data: "))
+                event = json.loads(data)
                 if "error" in event:
                     raise RequestFailed(f"llama-server: {event['error']}")
                 if event.get("content"):
-                    arrivals.append(time.perf_counter())
+                    arrivals.append(arrived)
                     pieces.append(event["content"])
                 if event.get("stop"):
                     final = event
-    except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+    except (HttpError, TimeoutError, ValueError, KeyError, TypeError) as exc:
         raise RequestFailed(f"malformed or broken stream: {type(exc).__name__}: {exc}") from exc
     if final is None:
         raise RequestFailed("the stream ended without its closing event")

@@ -5,13 +5,15 @@ python client/client.py --numsamples 200 --rate 4
 """
 
 import argparse
+import asyncio
 import functools
+import inspect
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,11 +70,16 @@ def post_inference(url: str, payload: dict[str, Any], timeout: float) -> dict[st
 
 def error_message(response: requests.Response) -> str:
     """The server's `{"error": {"type", "message"}}`, falling back to the raw body for anything else."""
+    return error_text(response.content) or response.reason
+
+
+def error_text(body: bytes) -> str:
+    """error_message's for a body already read."""
     try:
-        error = response.json()["error"]
+        error = json.loads(body)["error"]
         return f"{error['type']}: {error['message']}"
     except (ValueError, KeyError, TypeError):
-        return response.text[:200] or response.reason
+        return body[:200].decode(errors="replace")
 
 
 def timed_request(url: str, sample: Sample, *, temperature: float, timeout: float) -> RequestResult:
@@ -99,18 +106,55 @@ def timed_request(url: str, sample: Sample, *, temperature: float, timeout: floa
 
 
 def run_load(
-    send: Callable[[T], RequestResult], items: list[T], offsets: list[float], max_concurrency: int | None = None
+    send: Callable[[T], RequestResult | Awaitable[RequestResult]],
+    items: list[T],
+    offsets: list[float],
+    max_concurrency: int | None = None,
 ) -> tuple[list[RequestResult], float]:
     """`send(items[i])` at `offsets[i]` seconds into the run; the results in order and the run's wall time.
 
-    Without `max_concurrency` every request gets its own worker, so arrivals never queue in the client. With it,
-    requests beyond the cap wait for a free worker and their latency counts from when they are actually sent.
+    Without `max_concurrency` every request is sent at its time, so arrivals never queue in the client. With it,
+    requests beyond the cap wait for a free slot and their latency counts from when they are actually sent. A
+    coroutine function `send` runs every request on one event loop in this thread (client/aio_http.py says why),
+    another in a thread per request.
     """
+    with tqdm(total=len(items), unit="req") as progress:
+        if inspect.iscoroutinefunction(send):
+            return asyncio.run(_run_on_loop(send, items, offsets, max_concurrency, progress))
+        return _run_in_threads(send, items, offsets, max_concurrency, progress)
+
+
+async def _run_on_loop(
+    send: Callable[[T], Awaitable[RequestResult]],
+    items: list[T],
+    offsets: list[float],
+    max_concurrency: int | None,
+    progress: tqdm,
+) -> tuple[list[RequestResult], float]:
+    slots = asyncio.Semaphore(max_concurrency or max(len(items), 1))
+
+    async def timed_send(item: T, offset: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))  # paces the arrivals
+        async with slots:
+            sent_s = time.perf_counter() - start
+            result = (await send(item))._replace(sent_s=sent_s)
+        progress.update()
+        return result
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(timed_send(item, offset) for item, offset in zip(items, offsets, strict=True)))
+    return list(results), time.perf_counter() - start
+
+
+def _run_in_threads(
+    send: Callable[[T], RequestResult],
+    items: list[T],
+    offsets: list[float],
+    max_concurrency: int | None,
+    progress: tqdm,
+) -> tuple[list[RequestResult], float]:
     progress_lock = threading.Lock()
-    with (
-        ThreadPoolExecutor(max_workers=max_concurrency or max(len(items), 1)) as pool,
-        tqdm(total=len(items), unit="req") as progress,
-    ):
+    with ThreadPoolExecutor(max_workers=max_concurrency or max(len(items), 1)) as pool:
 
         def advance(_future: object) -> None:
             with progress_lock:

@@ -9,19 +9,19 @@ import json
 import time
 from typing import Any
 
-import requests
-
-from client.client import RequestFailed, error_message
+from client.aio_http import HttpError, post
+from client.client import RequestFailed, error_text
 from client.metrics import RequestResult, failure, streamed
 from client.workloads import Request
 
 
-def stream_completion(
+async def stream_completion(
     url: str, request: Request, *, temperature: float, timeout: float, model: str | None = None, stream: bool = True
 ) -> RequestResult:
     """Send `request` (to `model`, if the server needs one named) and time it; never raises for a failed request,
     which is recorded instead. Any OpenAI-compatible server that takes token-id prompts and vLLM's `ignore_eos`
-    answers it: this one, and vLLM (benchmarks/vllm_server.py)."""
+    answers it: this one, and vLLM (benchmarks/vllm_server.py). A coroutine: client.client.run_load runs a load's
+    requests on one event loop (client/aio_http.py says why)."""
     body = (
         {
             "prompt": request.prompt_ids,
@@ -36,7 +36,7 @@ def stream_completion(
     )
     start = time.perf_counter()
     try:
-        arrivals, usage, replica, text = (_read_stream if stream else _read_whole)(url, body, timeout)
+        arrivals, usage, replica, text = await _read(f"{url}/v1/completions", body, timeout)
     except RequestFailed as exc:
         return failure(str(exc), time.perf_counter() - start, request.num_tokens)
     if not stream:
@@ -55,39 +55,30 @@ def stream_completion(
     )
 
 
-def _read_whole(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int], str | None, str]:
-    """_read_stream's answer for a request not streamed (no arrivals); raises RequestFailed for any error."""
-    try:
-        response = requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
-        if response.status_code != 200:
-            raise RequestFailed(f"HTTP {response.status_code}: {error_message(response)}")
-        answer = response.json()
-        return [], answer["usage"], response.headers.get("X-Replica"), answer["choices"][0]["text"]
-    except (requests.RequestException, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise RequestFailed(f"malformed or broken answer: {type(exc).__name__}: {exc}") from exc
-
-
-def _read_stream(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int], str | None, str]:
-    """When each text event arrived, the closing usage, the replica that answered (X-Replica) and the text;
-    raises RequestFailed for any error."""
+async def _read(url: str, body: dict[str, Any], timeout: float) -> tuple[list[float], dict[str, int], str | None, str]:
+    """When each text event arrived (none when not streamed), the usage, the replica that answered (X-Replica) and
+    the text; raises RequestFailed for any error."""
     arrivals, usage, pieces = [], None, []
     try:
-        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as response:
-            if response.status_code != 200:
-                raise RequestFailed(f"HTTP {response.status_code}: {error_message(response)}")
-            replica = response.headers.get("X-Replica")
-            for line in response.iter_lines():
-                if not line.startswith(b"data: {"):
-                    continue  # blank separators and the closing [DONE]
-                event = json.loads(line.removeprefix(b"data: "))
+        async with post(url, body, timeout) as response:
+            if response.status != 200:
+                raise RequestFailed(f"HTTP {response.status}: {error_text(await response.body())}")
+            replica = response.headers.get("x-replica")
+            if not body["stream"]:
+                answer = await response.json()
+                return [], answer["usage"], replica, answer["choices"][0]["text"]
+            async for arrived, data in response.events():
+                if not data.startswith(b"{"):
+                    continue  # the closing [DONE]
+                event = json.loads(data)
                 if "error" in event:
                     raise RequestFailed(f"{event['error']['type']}: {event['error']['message']}")
                 if event["choices"] and event["choices"][0]["text"]:
-                    arrivals.append(time.perf_counter())
+                    arrivals.append(arrived)
                     pieces.append(event["choices"][0]["text"])
                 usage = event.get("usage") or usage
-    except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
-        raise RequestFailed(f"malformed or broken stream: {type(exc).__name__}: {exc}") from exc
+    except (HttpError, TimeoutError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise RequestFailed(f"malformed or broken answer: {type(exc).__name__}: {exc}") from exc
     if usage is None:
         raise RequestFailed("the stream ended without a usage event")
     return arrivals, usage, replica, "".join(pieces)

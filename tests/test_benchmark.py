@@ -1,5 +1,6 @@
 """The benchmark end to end against real servers on a tiny checkpoint, and its workloads."""
 
+import asyncio
 import json
 import statistics
 from collections import Counter
@@ -189,8 +190,10 @@ def test_benchmark_measures_a_running_server_at_url(tiny_checkpoint, tmp_path):
 
 def test_stream_records_a_refused_request_as_failed(tiny_checkpoint, tmp_path):
     with running_server("dynamic", tmp_path, MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="1024") as url:
-        good = stream_completion(url, Request([464, 46371, 28356], 12, seed=1), temperature=1.0, timeout=60)
-        too_long = stream_completion(url, Request([464] * 1000, 100, seed=1), temperature=1.0, timeout=60)
+        good = asyncio.run(
+            stream_completion(url, Request([464, 46371, 28356], 12, seed=1), temperature=1.0, timeout=60)
+        )
+        too_long = asyncio.run(stream_completion(url, Request([464] * 1000, 100, seed=1), temperature=1.0, timeout=60))
     assert good.ok and good.output_tokens == 12 and good.prompt_tokens == 3
     assert not too_long.ok and too_long.error.startswith("HTTP 400") and "context" in too_long.error
 
@@ -198,9 +201,9 @@ def test_stream_records_a_refused_request_as_failed(tiny_checkpoint, tmp_path):
 def test_a_request_not_streamed_has_its_counts_and_text_and_no_ttft(tiny_checkpoint, tmp_path):
     request, too_long = Request([464, 46371, 28356], 12, seed=1), Request([464] * 1000, 100, seed=1)
     with running_server("dynamic", tmp_path, MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="1024") as url:
-        streamed = stream_completion(url, request, temperature=0.0, timeout=60)
-        whole = stream_completion(url, request, temperature=0.0, timeout=60, stream=False)
-        refused = stream_completion(url, too_long, temperature=0.0, timeout=60, stream=False)
+        streamed = asyncio.run(stream_completion(url, request, temperature=0.0, timeout=60))
+        whole = asyncio.run(stream_completion(url, request, temperature=0.0, timeout=60, stream=False))
+        refused = asyncio.run(stream_completion(url, too_long, temperature=0.0, timeout=60, stream=False))
     assert whole.ok and (whole.prompt_tokens, whole.output_tokens) == (3, 12)
     assert whole.ttft_s is None and whole.itl_s == () and whole.text == streamed.text  # greedy: the same text
     assert not refused.ok and refused.error.startswith("HTTP 400") and "context" in refused.error
