@@ -1,5 +1,6 @@
 """Peak memory of a server's whole process tree, sampled from /proc while it runs (Linux; elsewhere nothing)."""
 
+import os
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -7,18 +8,22 @@ from types import TracebackType
 from client.cpu import process_tree
 
 PROC = Path("/proc")
-# Each sample walks the page tables of every process in the tree (smaps_rollup: ~6 ms for a gpt2 server at rest,
-# more under load) on the cores the server computes on. Every 0.25 s that took 0.07-0.09 of 2 cores from the
-# server and 1-12 % of its burst's tok/s (Xeon, 2 cores); every 1 s, 0.03 and 1-2 %. A burst lasts many seconds,
-# and the last sample comes at the stop.
+# smaps_rollup walks the page tables of every process in the tree (~6 ms for a gpt2 server at rest, more under load)
+# on the cores the server computes on: every 1 s that took 0.03 of 2 cores from the server and 1-2 % of its burst's
+# tok/s (Xeon, 2 cores; every 0.25 s, 0.07-0.09 and 1-12 %). So each sample reads the tree's RSS from statm (a
+# counter, no walk) and walks for PSS only when RSS has grown past the last walk's by PSS_WALK_GROWTH (a burst's
+# memory grows at its start, then stays), and once more at the stop. A burst lasts many seconds.
 SAMPLE_EVERY_S = 1.0
+PSS_WALK_GROWTH = 1.01
+PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024 if hasattr(os, "sysconf") else 4
 MIB = 1024  # /proc reports kB
 
 
 class PeakMemory:
     """A thread sampling, every SAMPLE_EVERY_S, the memory of `root` and its descendants, summed: the peak RSS and
     the peak PSS. RSS counts a page that forked processes share (a gunicorn master and its worker) once per
-    process; PSS splits it between them, so it is the tree's real footprint."""
+    process; PSS splits it between them, so it is the tree's real footprint. PSS is had at RSS's new highs (within
+    PSS_WALK_GROWTH) and at the stop: a peak of PSS while RSS stays below its own is missed."""
 
     def __init__(self, root: int):
         self._root = root
@@ -36,10 +41,14 @@ class PeakMemory:
         self._thread.join()
 
     def _run(self) -> None:
+        walked_at = 0  # the tree's RSS at the last walk for PSS
         while True:
             stopping = self._stop.is_set()  # one last sample after the stop: the peaks cover the whole block
-            rss, pss = tree_memory_kb(self._root)
-            self.rss_kb, self.pss_kb = max(self.rss_kb, rss), max(self.pss_kb, pss)
+            rss = resident_kb(self._root)
+            self.rss_kb = max(self.rss_kb, rss)
+            if stopping or rss > walked_at * PSS_WALK_GROWTH:
+                walked_at = rss
+                self.pss_kb = max(self.pss_kb, tree_memory_kb(self._root)[1])
             if stopping:
                 return
             self._stop.wait(SAMPLE_EVERY_S)
@@ -47,6 +56,17 @@ class PeakMemory:
     def peaks_mib(self) -> dict[str, float | None]:
         """The peaks so far in MiB; None where /proc gave nothing (not Linux)."""
         return {"rss_mib": self.rss_kb / MIB or None, "pss_mib": self.pss_kb / MIB or None}
+
+
+def resident_kb(root: int) -> int:
+    """RSS of `root` and its descendants now, summed, in kB, from statm: no walk of their page tables."""
+    total = 0
+    for pid in process_tree(root) if PROC.exists() else []:
+        try:
+            total += int((PROC / str(pid) / "statm").read_text().split()[1]) * PAGE_KB
+        except OSError:  # gone since the listing
+            continue
+    return total
 
 
 def tree_memory_kb(root: int) -> tuple[int, int]:

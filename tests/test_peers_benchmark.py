@@ -4,6 +4,7 @@ requests, the greedy agreement, the memory of a process tree, and the errors whe
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from benchmarks.gguf_files import tokenizer_files, write_tokenizer_json
 from benchmarks.peers import main, parse_args, requests_for, workload
 from benchmarks.peers_report import same_outputs
+from client import memory
 from client.memory import PeakMemory, tree_memory_kb
 from model.tokenizer import EOT_ID, load_tokenizer
 
@@ -130,6 +132,27 @@ def test_peak_memory_counts_the_whole_process_tree():
         parent.wait(timeout=30)
     peaks = memory.peaks_mib()
     assert peaks["rss_mib"] > 200 and 200 < peaks["pss_mib"] <= peaks["rss_mib"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="no /proc smaps_rollup")
+def test_peak_memory_walks_page_tables_only_when_rss_grows(monkeypatch):
+    walks, samples = [], []
+    monkeypatch.setattr(memory, "SAMPLE_EVERY_S", 0.005)
+    monkeypatch.setattr(memory, "tree_memory_kb", lambda root: walks.append(root) or (0, 1))
+    resident_kb = memory.resident_kb
+    monkeypatch.setattr(memory, "resident_kb", lambda root: samples.append(root) or resident_kb(root))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"  # its memory is all there: its RSS stays
+        with memory.PeakMemory(holder.pid) as peaks:
+            deadline = time.monotonic() + 30
+            while len(samples) < 20 and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling the sampler's count, with a deadline
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert len(samples) >= 20 and len(walks) == 2  # the first sample's and the stop's
+    assert peaks.rss_kb > 200 * 1024 and peaks.pss_kb == 1
 
 
 def test_the_offline_system_is_the_engine_on_the_same_requests(tiny_checkpoint, hf_greedy, tmp_path):
