@@ -65,6 +65,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, help="--sweep: attention heads (default: the model's)")
     parser.add_argument("--ops", action="store_true", help="time the CPU kernels alone instead (store, attention)")
     parser.add_argument(
+        "--adjacent-blocks",
+        action="store_true",
+        help="--ops: each sequence's blocks adjacent in the pool, in order (default: anywhere in it, as they fall)",
+    )
+    parser.add_argument(
         "--kv-cache-dtype", choices=("auto", "int8"), help="the cache's dtype (default: KV_CACHE_DTYPE's, or auto)"
     )
     return parser.parse_args()
@@ -106,10 +111,17 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def time_ops(
-    config: GPTConfig, dtype: torch.dtype, batch: int, context: int, bandwidth: float, cache_dtype: torch.dtype | None
+    config: GPTConfig,
+    dtype: torch.dtype,
+    batch: int,
+    context: int,
+    bandwidth: float,
+    cache_dtype: torch.dtype | None,
+    adjacent: bool = False,
 ) -> None:
     """Print the CPU kernels' ms per layer and GB/s: storing keys and values, and a decode step's attention, over a
-    cache in `dtype` or (cache_dtype int8) quantized."""
+    cache in `dtype` or (cache_dtype int8) quantized, each sequence's blocks anywhere in the pool or (`adjacent`) in
+    order side by side."""
     from model import cpu_attention
     from model.attention import LayerKV, paged_cache, paged_scales
 
@@ -128,7 +140,8 @@ def time_ops(
         layers = [LayerKV(k, v) for k, v in cache]
     else:
         layers = [LayerKV(k, v, k_scale, v_scale) for (k, v), (k_scale, v_scale) in zip(cache, scales)]
-    tables = torch.randperm(batch * per_seq).view(batch, per_seq)  # [B, W]: blocks anywhere in the pool
+    order = torch.arange if adjacent else torch.randperm
+    tables = order(batch * per_seq).view(batch, per_seq)  # [B, W]: blocks anywhere in the pool, or side by side
     row_bytes = H * D * cache.element_size() + (H * 4 if cache_dtype else 0)  # a token's keys (or values) in a layer
     row_in = H * D * torch.tensor([], dtype=dtype).element_size()  # a new row, as the model computes it
 
@@ -251,7 +264,7 @@ def main() -> None:
         bandwidth = args.bandwidth or copy_bandwidth(device)
         print(f"{args.model}'s CPU kernels, {dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
         for batch in batch_sizes:
-            time_ops(PRESETS[args.model], dtype, batch, args.context, bandwidth, cache_dtype)
+            time_ops(PRESETS[args.model], dtype, batch, args.context, bandwidth, cache_dtype, args.adjacent_blocks)
         return
     model = load_model(f"random:{args.model}", device, dtype).model
     set_products(model, settings, device, dtype)  # as the server does (Engine.from_settings)
