@@ -38,6 +38,13 @@
 #                                                    #   API_SERVER_COUNT=4 in turns (128 at STREAM_INTERVAL 1; 32;
 #                                                    #   512 with 1 and 4 front ends), seed-like (20), decode steps
 #                                                    #   against .base
+#   bash benchmarks/gpu_suite.sh front-ends          # one call: saturate (128, STREAM_INTERVAL 1) over 1, 2 and 4
+#                                                    #   front ends (API_SERVER_COUNT) in turns, 32 over 4, 512 over
+#                                                    #   1 and 4, seed-like (20)
+#   bash benchmarks/gpu_suite.sh kv-check            # one call: the Triton kernels' tests (quantized caches too),
+#                                                    #   decode steps at batch 256 over ~1,000-token contexts with
+#                                                    #   KV_CACHE_DTYPE auto, int8 and fp8, greedy against
+#                                                    #   transformers through the engine's process in every mode
 #   bash benchmarks/gpu_suite.sh servers             # one call: real servers at a 7-token budget, the API's tests
 #   bash benchmarks/gpu_suite.sh kv-cache            # one call: the Triton kernels' tests (quantized caches: int8,
 #                                                    #   fp8_e4m3, fp8_e5m2; and the float ones), decode steps at
@@ -361,6 +368,35 @@ engine_process() {  # ~6 minutes at most: ENGINE_PROCESS off against on, 1 and 4
   archive engine-process "${runs[@]}" saturate-128-interval-32-engine-on seed-like-engine-on
 }
 
+front_ends() {  # ~6.5 minutes at most: the engine's process behind 1, 2 and 4 front ends, in turns
+  local runs=() fronts name i=0 common=(--workload saturate --modes dynamic)
+  for fronts in 1 2 4 4 2 1; do
+    name=saturate-128-interval-1-fronts-$fronts-$((i++))
+    benchmark "$name" 35 API_SERVER_COUNT=$fronts -- "${common[@]}" --numsamples 128
+    runs+=("$name")
+  done
+  benchmark saturate-128-interval-32-fronts-4 35 API_SERVER_COUNT=4 STREAM_INTERVAL=32 -- "${common[@]}" --numsamples 128
+  for fronts in 1 4; do
+    benchmark saturate-512-interval-1-fronts-$fronts 45 API_SERVER_COUNT=$fronts -- "${common[@]}" --numsamples 512
+    runs+=(saturate-512-interval-1-fronts-$fronts)
+  done
+  benchmark seed-like-fronts-1 50 -- --workload seed-like --numsamples 20 --modes dynamic
+  archive front-ends "${runs[@]}" saturate-128-interval-32-fronts-4 seed-like-fronts-1
+}
+
+kv_check() {  # ~7 minutes at most: kv-cache's correctness and decode steps (not its saturate), greedy through the engine's process
+  step versions 20 "$PY" -c "import sys, torch, triton; print(sys.version, 'torch', torch.__version__,
+torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'triton', triton.__version__)"
+  step cuda-kv-kernel 130 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_attention.py
+  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 256 --context 960 --steps 20) cache
+  for cache in auto int8 fp8; do
+    step decode-kv-$cache 50 env MAX_BATCH_TOKENS=8192 KV_CACHE_DTYPE=$cache "${decode[@]}"
+  done
+  step cuda-engine-process 120 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_server.py \
+    tests/test_engine_process.py -k "greedy_output and on or every_answer"
+  archive kv-check
+}
+
 servers() {  # ~4.5 minutes at most: real servers at a 7-token step budget, then the API at the default one
   step cuda-servers-budget-7 150 env DTYPE=float32 MAX_BATCH_TOKENS=7 "$PY" -m pytest -q -ra -p no:cacheprovider \
     tests/test_server.py -k "transformers or alone"
@@ -425,12 +461,12 @@ seed_like_baselines() {
   archive seed-like-baselines seed-like-baselines
 }
 
-[ $# -gt 0 ] || { sed -n '2,54p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,61p' "$0"; exit 2; }
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;
     base) shift; rm -rf .base && mkdir .base && git archive "$1" | tar -x -C .base && rm -rf .base/docs && echo ".base: $1"; exit ;;
-    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | host-profile | tree-ab | engine-process | overlap-2 | servers | kv-cache | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
+    first-light | tuned | one-by-one | host-ab | stream-interval | stream-interval-2 | overlap | host-profile | tree-ab | engine-process | overlap-2 | servers | kv-cache | front-ends | kv-check | check | tune | saturate | saturate-others | seed-like | seed-like-baselines) ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
   install_wheels

@@ -109,8 +109,8 @@ def _dequantize(x, scale, q, BLOCK_M: tl.constexpr):
     """Stored [BN, D] times its rows' scales [BN] in float32; for tl.dot's path, then in q's dtype (as
     model/attention.py `dequantize` gives the reference backend), else float32 for the products on CUDA cores."""
     x = x.to(tl.float32) * scale[:, None]
-    if BLOCK_M >= 16:
-        return x.to(q.dtype)
+    if BLOCK_M >= 16:  # one return: compiled Triton refuses a function whose returns differ in dtype
+        x = x.to(q.dtype)
     return x
 
 

@@ -40,8 +40,11 @@ def _to_grid(y, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     exponent = tl.maximum(exponent, MIN_EXP) - MANTISSA  # log2 of the grid's spacing around y
     spacing = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    rounded = _rint(tl.abs(y) * inverse) * spacing
-    return tl.where(bits < 0, -rounded, rounded)  # y's sign back: -0 for a negative y that rounds to 0, as torch's
+    rounded = _rint(tl.abs(y) * inverse) * spacing  # >= 0
+    # y's sign bit back, -0 for a negative y that rounds to 0 as torch's; by bits, since compiled Triton's -x is 0 - x
+    # (+0 for x = 0: seen on an H200)
+    sign = tl.where(bits < 0, -2147483648, 0)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
