@@ -384,14 +384,9 @@ front_ends() {  # ~6.5 minutes at most: the engine's process behind 1, 2 and 4 f
   archive front-ends "${runs[@]}" saturate-128-interval-32-fronts-4 seed-like-fronts-1
 }
 
-kv_check() {  # ~7 minutes at most: kv-cache's correctness and decode steps (not its saturate), greedy through the engine's process
-  step versions 20 "$PY" -c "import sys, torch, triton; print(sys.version, 'torch', torch.__version__,
-torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'triton', triton.__version__)"
-  step cuda-kv-kernel 130 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_triton_attention.py
-  local decode=("$PY" -m benchmarks.decode_step --batch-sizes 256 --context 960 --steps 20) cache
-  for cache in auto int8 fp8; do
-    step decode-kv-$cache 50 env MAX_BATCH_TOKENS=8192 KV_CACHE_DTYPE=$cache "${decode[@]}"
-  done
+kv_check() {  # ~7 minutes at most: kv-cache's tests and decode steps (not its saturate), then greedy output and the
+  # engine process's answers through real servers on CUDA
+  kv_kernels 50
   step cuda-engine-process 120 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_server.py \
     tests/test_engine_process.py -k "greedy_output and on or every_answer"
   archive kv-check
@@ -403,7 +398,8 @@ servers() {  # ~4.5 minutes at most: real servers at a 7-token step budget, then
   step cuda-openai 110 env DTYPE=float32 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_openai.py
 }
 
-kv_cache() {  # ~8 minutes at most: KV_CACHE_DTYPE's quantized caches through the Triton kernels and CUDA graphs
+kv_kernels() {  # kv_kernels LIMIT: KV_CACHE_DTYPE's quantized caches through the Triton kernels and CUDA graphs, each
+  # decode step under LIMIT seconds
   step versions 20 "$PY" -c "import sys, torch, triton, transformers as t; print(sys.version, 'torch', torch.__version__,
 torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'triton', triton.__version__)"
   # Every kernel test on the compiled kernels: over int8 and both float8 caches (against attention over the
@@ -416,8 +412,12 @@ torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capabili
   # floor counts each cache dtype's bytes (benchmarks/decode_step.py, step_bytes)
   local decode=("$PY" -m benchmarks.decode_step --batch-sizes 256 --context 960 --steps 20) cache
   for cache in auto int8 fp8; do
-    step decode-kv-$cache 75 env MAX_BATCH_TOKENS=8192 KV_CACHE_DTYPE=$cache "${decode[@]}"
+    step decode-kv-$cache "$1" env MAX_BATCH_TOKENS=8192 KV_CACHE_DTYPE=$cache "${decode[@]}"
   done
+}
+
+kv_cache() {  # ~8 minutes at most: kv_kernels, then saturate (256) over each cache dtype
+  kv_kernels 75
   local runs=()
   for cache in auto int8 fp8; do
     benchmark saturate-256-kv-$cache 45 KV_CACHE_DTYPE=$cache -- --workload saturate --numsamples 256 --modes dynamic
@@ -461,7 +461,7 @@ seed_like_baselines() {
   archive seed-like-baselines seed-like-baselines
 }
 
-[ $# -gt 0 ] || { sed -n '2,61p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,62p' "$0"; exit 2; }
 for stage in "$@"; do
   case $stage in
     wheels) wheels; continue ;;

@@ -1,7 +1,8 @@
 """The batching experiment: one deterministic workload against each scheduling mode, and a baseline.
 
 For each run it starts ./server.sh itself (settings from the environment, e.g. MODEL=random:gpt2-medium),
-streams the workload through /v1/completions, reads /stats, stops the server and moves on; or, with
+sends the workload's first request once, untimed, then streams the workload through /v1/completions, reads
+/stats, stops the server and moves on; or, with
 --url, measures the server already running there. Prints a table and writes into --out the raw
 per-request measurements (results.json), the plots and, with --report, a Markdown report.
 

@@ -166,7 +166,9 @@ def test_a_short_benchmark_writes_results_plots_and_report(tiny_server_env, tiny
             assert 0 < request["ttft_s"] <= request["latency_s"]
             assert len(request["itl_s"]) <= sent.num_tokens - 1
         assert run["label"] in printed
-    assert results["runs"][0]["server_stats"]["requests_completed"] == 6
+    # the workload's first request sent once before each server's run, untimed (vLLM's initial test prompt)
+    assert results["runs"][0]["server_stats"]["requests_completed"] == 7
+    assert all(run["initial_test"]["ok"] for run in results["runs"][:2]) and "initial_test" not in results["runs"][2]
     # where each server's step time went: one row per server run, none for the baseline
     step_table = printed[printed.index("with prefill") :]
     assert "deliver ms" in step_table and "nobatch" in step_table and "transformers" not in step_table
