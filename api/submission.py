@@ -7,11 +7,12 @@ random stream. With a seed, completion j of a prompt uses seed + j, so each is r
 and they differ from each other (and completion 0 is what n = 1 would give).
 """
 
-import json
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+
+import msgspec
 
 from api.errors import ApiError
 from api.generation import Generation, Server
@@ -144,7 +145,7 @@ def sse(
     render: Callable[[Delta], dict],
     include_usage: bool,
     first: Iterable[dict] = (),
-) -> Iterator[str]:
+) -> Iterator[bytes]:
     """Server-sent events: `first` choices, one event per delta, the usage if asked, then [DONE].
     A client that hangs up closes this generator, which cancels the request."""
     try:
@@ -160,11 +161,14 @@ def sse(
         unanswered = [completion for completion in submitted.completions if not completion.done.is_set()]
         if unanswered:
             server.manager.cancel(*unanswered)
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
-def event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+_JSON = msgspec.json.Encoder()  # a streamed event's JSON in a sixth of json.dumps' time, compact as vLLM's
+
+
+def event(payload: dict) -> bytes:
+    return b"data: " + _JSON.encode(payload) + b"\n\n"
 
 
 def text_token_count(completion: Inference, upto: int | None = None) -> int:
