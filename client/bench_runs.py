@@ -81,17 +81,22 @@ def measure(
 
     First, untimed, the workload's first request alone, as vLLM's `bench serve` sends its initial test prompt: what
     a fresh server does on first use (on a GPU, loading the kernels a prefill and the sampler take: an H200 server's
-    first request took 188 ms, the next ones 14-25) stays out of the run. The server's counters include it."""
+    first request took 188 ms, the next ones 14-25) stays out of the run. The server's counters include it. Not to a
+    cluster, where it would reach one replica and count in its /stats alone (its runs compare their routing)."""
     send = functools.partial(stream_completion, url, temperature=args.temperature, timeout=args.timeout)
-    (initial,), _ = run_load(send, workload.requests[:1], [0.0])
-    if not initial.ok:
-        print(f"{spec.label}: the initial test request failed ({initial.error}); the run goes on", flush=True)
+    initial = None
+    if not spec.replicas:
+        (initial,), _ = run_load(send, workload.requests[:1], [0.0])
+        if not initial.ok:
+            print(f"{spec.label}: the initial test request failed ({initial.error}); the run goes on", flush=True)
     before = cpu.sample(server_pid)
     results, duration_s = run_load(send, workload.requests, workload.offsets, args.max_concurrency)
     used = cpu.usage(before, cpu.sample(server_pid))
     stats = fetch_stats(url, args.timeout)  # a cluster's names the model when every replica serves the same
     run = record(spec, stats.get("model"), results, duration_s, args, server_stats=stats, cpu=used)
-    return run | {"initial_test": {"ok": initial.ok, "ttft_s": initial.ttft_s, "error": initial.error}}
+    if initial:
+        run["initial_test"] = {"ok": initial.ok, "ttft_s": initial.ttft_s, "error": initial.error}
+    return run
 
 
 def record(
