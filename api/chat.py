@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, jsonify, request
 
 from api.chat_protocol import AssistantMessage, ChatBody, Content, JsonSchemaFormat, Message, ToolMessage
 from api.chat_template import ChatTemplate
@@ -21,7 +21,16 @@ from api.errors import bad
 from api.generation import Generation, Server, server, to_generation
 from api.protocol import parse
 from api.structured import Asked, json_schema
-from api.submission import NewTokens, Submitted, run, sse, submit, text_token_count, token_text
+from api.submission import (
+    EventStream,
+    NewTokens,
+    Submitted,
+    run,
+    streamed_response,
+    submit,
+    text_token_count,
+    token_text,
+)
 from api.tool_calls import Calls, StreamedReply, call_json, call_schema, new_call_id, split_reply
 from batching.inference import Delta, Inference
 from generate.constraints import Constraint
@@ -160,8 +169,9 @@ def chat_completions():
         count = len(submitted.completions)
         opening = [_chunk_choice(i, {"role": "assistant", "content": content}) for i in range(count)]
         render_delta = _StreamedReplies(chat, submitted).render
-        events = sse(served, submitted, head, render_delta, generation.include_usage, first=opening)
-        return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return streamed_response(
+            EventStream(served, submitted, head, render_delta, generation.include_usage, first=opening)
+        )
     submitted = run(generation)
     choices = [_choice(served, chat, completion) for completion in submitted.completions]
     if generation.return_token_ids:

@@ -9,13 +9,22 @@ import time
 import uuid
 from itertools import accumulate
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, jsonify, request
 
 from api.errors import bad
 from api.generation import Generation, Server, to_generation
 from api.lora import model_cards
 from api.protocol import CompletionBody, parse
-from api.submission import NewTokens, Submitted, run, sse, submit, text_token_count, token_text
+from api.submission import (
+    EventStream,
+    NewTokens,
+    Submitted,
+    run,
+    streamed_response,
+    submit,
+    text_token_count,
+    token_text,
+)
 from batching.inference import Delta, Inference
 from generate.sequence import TokenLogprobs
 
@@ -46,10 +55,8 @@ def completions():
     answer = _Answer(body, generation)
     if generation.stream:
         submitted = submit(generation, streamed=True)
-        events = sse(
-            generation.server, submitted, head, _StreamedChoices(answer, submitted).render, generation.include_usage
-        )
-        return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+        render = _StreamedChoices(answer, submitted).render
+        return streamed_response(EventStream(generation.server, submitted, head, render, generation.include_usage))
     submitted = run(generation)
     choices = [answer.choice(submitted, completion) for completion in submitted.completions]
     return jsonify(**head, choices=choices, usage=submitted.usage)

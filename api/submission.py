@@ -1,5 +1,5 @@
 """The one place a request meets the batching manager: its completions submitted (n per prompt, forks sharing
-the prompt), then awaited (`run`) or streamed (`sse`); a refusal, a timeout or a failure as an ApiError.
+the prompt), then awaited (`run`) or streamed (`streamed_response`); a refusal, a timeout or a failure as an ApiError.
 
 A request's completions are ordered by prompt, then by n, and `index` is that order. They enter
 the batcher together; each is an Inference of its own, with its own text, stop strings and
@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import msgspec
+from flask import Response, request
 
 from api.errors import ApiError
 from api.generation import Generation, Server
+from api.stream_writer import StreamWriter
 from batching.admission import Refused
 from batching.inference import Delta, Inference
 from batching.manager import NotServing
@@ -24,6 +26,7 @@ from generate.lora_registry import LoraNotFound
 from model.tokenizer import EOT_ID
 
 SEED_LIMIT = 2**63
+WRITER = StreamWriter()  # this process's writer of streamed responses (each front end has its own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +62,7 @@ def run(generation: Generation) -> Submitted:
 def submit(generation: Generation, streamed: bool) -> Submitted:
     """Queue n completions of every prompt (they enter the engine together); the first of each prompt leads,
     the others fork from it. Refused (queue full, a target that cannot be met, not serving): an ApiError."""
-    chunks = queue.SimpleQueue() if streamed else None
+    chunks = Chunks() if streamed else None
     params, completions = generation.params, []
     for prompt in generation.prompts:
         leader = None
@@ -121,47 +124,94 @@ def _raise_error(server: Server, completions: Iterable[Inference]) -> None:
         raise ApiError(500, errors[0], "server_error")
 
 
-def deltas(server: Server, submitted: Submitted) -> Iterator[Delta]:
-    """Every completion's deltas as they come (interleaved, each in order), until all are answered."""
-    deadline = time.monotonic() + server.settings.request_timeout_s
-    chunks = submitted.completions[0].chunks
-    pending = len(submitted.completions)
-    while pending:
-        try:
-            chunk = chunks.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise ApiError(504, f"no answer within {server.settings.request_timeout_s} s", "timeout") from None
+class Chunks:
+    """What a streamed request's completions put: each delta, then each completion once answered. Whoever sends
+    the request's events takes them from `queue`; the front end's writer also has `waker` called for each."""
+
+    __slots__ = ("queue", "waker")
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Delta | Inference] = queue.SimpleQueue()
+        self.waker: Callable[[], None] | None = None
+
+    def put(self, chunk: Delta | Inference) -> None:
+        self.queue.put(chunk)
+        waker = self.waker
+        if waker is not None:
+            waker()
+
+
+class EventStream:
+    """A streamed request's server-sent events, made from its chunks as they come: `first` choices, one event per
+    delta, the usage if asked, then [DONE]; a completion's error, or no end by REQUEST_TIMEOUT_S, ends it early
+    with the error's event. Run by the request's thread (`sse`) or by the front end's writer (api/stream_writer.py);
+    whatever has not been answered when it ends, or when its client goes away, is cancelled."""
+
+    def __init__(
+        self,
+        server: Server,
+        submitted: Submitted,
+        head: dict,
+        render: Callable[[Delta], dict],
+        include_usage: bool,
+        first: Iterable[dict] = (),
+    ):
+        self.server, self.submitted, self.head, self.render = server, submitted, head, render
+        self.include_usage = include_usage
+        self.chunks: Chunks = submitted.completions[0].chunks
+        self.pending = len(submitted.completions)
+        self.deadline = time.monotonic() + server.settings.request_timeout_s
+        self.opening = [event({**head, "choices": [choice]}) for choice in first]
+        self.ended = False
+
+    def take(self, chunk: Delta | Inference) -> list[bytes]:
+        """The events `chunk` makes: a delta's, or once every completion is answered the last ones."""
         if isinstance(chunk, Delta):
-            yield chunk
-            continue
-        pending -= 1
-        _raise_error(server, [chunk])
+            return [event({**self.head, "choices": [self.render(chunk)]})]
+        self.pending -= 1
+        try:
+            _raise_error(self.server, [chunk])
+        except ApiError as err:
+            return self._end(err)
+        if self.pending:
+            return []
+        usage = [event({**self.head, "choices": [], "usage": self.submitted.usage})] if self.include_usage else []
+        return usage + self._end()
 
+    def timed_out(self) -> list[bytes]:
+        return self._end(ApiError(504, f"no answer within {self.server.settings.request_timeout_s} s", "timeout"))
 
-def sse(
-    server: Server,
-    submitted: Submitted,
-    head: dict,
-    render: Callable[[Delta], dict],
-    include_usage: bool,
-    first: Iterable[dict] = (),
-) -> Iterator[bytes]:
-    """Server-sent events: `first` choices, one event per delta, the usage if asked, then [DONE].
-    A client that hangs up closes this generator, which cancels the request."""
-    try:
-        for choice in first:
-            yield event({**head, "choices": [choice]})
-        for delta in deltas(server, submitted):
-            yield event({**head, "choices": [render(delta)]})
-        if include_usage:
-            yield event({**head, "choices": [], "usage": submitted.usage})
-    except ApiError as err:
-        yield event(err.body())
-    finally:
-        unanswered = [completion for completion in submitted.completions if not completion.done.is_set()]
+    def _end(self, error: ApiError | None = None) -> list[bytes]:
+        self.ended = True
+        self.cancel()
+        return ([event(error.body())] if error else []) + [b"data: [DONE]\n\n"]
+
+    def cancel(self) -> None:
+        unanswered = [completion for completion in self.submitted.completions if not completion.done.is_set()]
         if unanswered:
-            server.manager.cancel(*unanswered)
-    yield b"data: [DONE]\n\n"
+            self.server.manager.cancel(*unanswered)
+
+
+def streamed_response(events: EventStream) -> Response:
+    """The request's events sent by the front end's writer where it can, else by this request's thread."""
+    body = WRITER.body(events, request.environ) or sse(events)
+    return Response(body, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def sse(events: EventStream) -> Iterator[bytes]:
+    """The events, sent by the request's own thread. A client that hangs up closes this generator, which cancels
+    the request."""
+    try:
+        yield from events.opening
+        while not events.ended:
+            try:
+                chunk = events.chunks.queue.get(timeout=max(0.0, events.deadline - time.monotonic()))
+            except queue.Empty:
+                yield from events.timed_out()
+                break
+            yield from events.take(chunk)
+    finally:
+        events.cancel()
 
 
 _JSON = msgspec.json.Encoder()  # a streamed event's JSON in a sixth of json.dumps' time, compact as vLLM's

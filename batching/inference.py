@@ -30,7 +30,8 @@ class Inference:
     prompt_ids: list[int]
     params: SamplingParams
     text: TextStream | None = None  # when the caller wants text (and stop strings) as tokens arrive
-    # Streaming: deltas, then this inference once answered; the completions of a request share one queue.
+    # Streaming: deltas, then this inference once answered, put into what the completions of a request share (a
+    # queue, or what has a put: api/submission.py's Chunks, the engine's process's sink)
     chunks: "queue.SimpleQueue[Chunk] | None" = None
     stream_interval: int = 1  # streaming: a delta once this many tokens since the last one (the first goes at once)
     streamed_tokens: int = 0  # tokens up to the last delta
