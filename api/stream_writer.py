@@ -83,6 +83,7 @@ class StreamWriter:
             if self._thread is None or not self._thread.is_alive():  # a fork's child has no thread of its parent
                 self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
                 self._thread.start()
+                log.info("streamed responses: sent by this front end's writer thread")
 
     def _run(self) -> None:
         backlog: set[_Out] = set()  # streams whose socket would not take everything

@@ -178,3 +178,5 @@ def test_a_stream_past_request_timeout_ends_with_a_504_event_and_frees_its_block
             return stats["requests_running"] == stats["kv_blocks_used"] == 0
 
         wait_until(idle)
+    # gunicorn's plain socket over HTTP/1.1: the writer sent it, not the request thread
+    assert "sent by this front end's writer thread" in "".join(p.read_text() for p in tmp_path.glob("server-*.log"))
