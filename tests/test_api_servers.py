@@ -15,7 +15,15 @@ import requests
 
 from client.launch import running_server
 from tests.conftest import sim_settings, wait_until
-from tests.test_engine_process import _stream, alive, ok, server_processes, serving, streams_under_way
+from tests.test_engine_process import (
+    _stream,
+    alive,
+    ok,
+    server_processes,
+    serving,
+    started_processes,
+    streams_under_way,
+)
 from tests.test_server import TOKENIZER, greedy_all, text_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +32,7 @@ TWO = {"ENGINE_PROCESS": "on", "API_SERVER_COUNT": "2"}
 
 def test_requests_over_both_front_ends_are_answered_and_counted_once(tiny_checkpoint, hf_greedy, tmp_path):
     with serving(tmp_path, MODEL=str(tiny_checkpoint), KV_CACHE_BLOCKS="1024", **TWO) as (url, master):
-        assert len(server_processes(master)[0]) == 2
+        started_processes(master, 2)  # both front ends up
         prompts, counts = text_prompts(24, seed=11), [3 + i % 5 for i in range(24)]
         answers = greedy_all(url, prompts, counts, workers=12)  # 12 connections at a time: both workers accept
         stats = requests.get(f"{url}/stats", timeout=10).json()
@@ -79,7 +87,7 @@ def sockets(pid: int) -> int:
 def test_a_killed_front_end_has_its_requests_cancelled_and_the_engine_serves_on(tmp_path):
     settings = {**sim_settings(tmp_path, step_s=0.05), **TWO}
     with serving(tmp_path, **settings) as (url, master):
-        workers, engine = server_processes(master)
+        workers, engine = started_processes(master, 2)
         before = {pid: sockets(pid) for pid in workers}
         with ThreadPoolExecutor(16) as pool:
             streams = streams_under_way(pool, url, 16, 100)  # 5 s each, unless cancelled
@@ -102,7 +110,7 @@ def test_a_killed_front_end_has_its_requests_cancelled_and_the_engine_serves_on(
 def test_sigterm_lets_running_requests_finish_then_nothing_is_left(tmp_path):
     settings = {**sim_settings(tmp_path, step_s=0.02), **TWO, "SHUTDOWN_GRACE_S": "10"}
     with serving(tmp_path, **settings) as (url, master):
-        workers, engine = server_processes(master)
+        workers, engine = started_processes(master, 2)
         with ThreadPoolExecutor(8) as pool:
             streams = streams_under_way(pool, url, 8, 60)
             os.kill(master, signal.SIGTERM)

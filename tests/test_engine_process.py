@@ -68,6 +68,13 @@ def server_processes(master: int) -> tuple[list[int], int]:
     return workers, engine
 
 
+def started_processes(master: int, front_ends: int) -> tuple[list[int], int]:
+    """server_processes once all `front_ends` workers are there: a server is healthy as soon as one answers, and
+    gunicorn forks the others up to 0.1 s apart."""
+    wait_until(lambda: len(server_processes(master)[0]) == front_ends)
+    return server_processes(master)
+
+
 @pytest.fixture(scope="module")
 def settings(tiny_checkpoint) -> dict[str, str]:
     return {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "1024", "ENGINE_PROCESS": "on"}
@@ -167,7 +174,7 @@ def streams_under_way(pool: ThreadPoolExecutor, url: str, count: int, max_tokens
 def test_a_killed_engine_answers_every_stream_with_an_error_and_comes_back(tmp_path, front_ends):
     settings = {**sim_settings(tmp_path, step_s=0.05), "ENGINE_PROCESS": "on", "API_SERVER_COUNT": front_ends}
     with serving(tmp_path, **settings) as (url, master):
-        workers, engine = server_processes(master)
+        workers, engine = started_processes(master, int(front_ends))
         with ThreadPoolExecutor(32) as pool:
             streams = streams_under_way(pool, url, 32, 400)
             os.kill(engine, signal.SIGKILL)
