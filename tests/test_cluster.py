@@ -286,19 +286,25 @@ def test_a_streamed_request_through_the_balancer_equals_the_non_streamed_one(clu
 
 
 @needs_haproxy
-def test_streamed_events_pass_the_balancer_as_they_come_and_a_hang_up_cancels(cluster):
-    """The first event arrives while the replica is still generating; closing the stream frees it."""
-    body = {"prompt": "A long night", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
-    with requests.post(f"{cluster.url}/v1/completions", json=body, stream=True, timeout=120) as response:
-        replica = cluster.replicas[response.headers["X-Replica"]]
-        failed = requests.get(f"{replica}/stats", timeout=10).json()["requests_failed"]
-        assert next(stream_events(response))["choices"][0]["text"]
-        assert requests.get(f"{replica}/stats", timeout=10).json()["requests_running"] == 1
-    deadline = time.monotonic() + 30
-    while (stats := requests.get(f"{replica}/stats", timeout=10).json())["requests_running"]:
-        assert time.monotonic() < deadline, "the hang-up did not reach the replica"
-        time.sleep(0.05)  # polling interval under a deadline
-    assert stats["requests_failed"] == failed + 1  # cancelled, not run to the end
+def test_streamed_events_pass_the_balancer_as_they_come_and_a_hang_up_cancels(tmp_path):
+    """The first event arrives while the replica is still generating; closing the stream frees it. The replica's
+    every step takes 20 ms (the tiny model's 1,000 tokens took ~1.4 s, which a loaded machine's delivery outlasted)."""
+    settings = sim_settings(tmp_path, step_s=0.02)
+    proc, url = start_cluster(["1", "dynamic"], tmp_path, RUN_DIR=str(tmp_path), **settings)
+    try:
+        body = {"prompt": "A long night", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=120) as response:
+            replica = f"http://{response.headers['X-Replica']}"
+            assert next(stream_events(response))["choices"]
+            stats = requests.get(f"{replica}/stats", timeout=10).json()
+            assert stats["requests_running"] == 1 and stats["requests_failed"] == 0
+        deadline = time.monotonic() + 30
+        while (stats := requests.get(f"{replica}/stats", timeout=10).json())["requests_running"]:
+            assert time.monotonic() < deadline, "the hang-up did not reach the replica"
+            time.sleep(0.05)  # polling interval under a deadline
+        assert stats["requests_failed"] == 1 and stats["requests_completed"] == 0  # cancelled, not run to the end
+    finally:
+        stop_server(proc)
 
 
 @needs_haproxy
