@@ -68,7 +68,7 @@ class StreamWriter:
     def _body(self, out: _Out) -> Iterator[bytes]:
         yield b""  # gunicorn sends the headers (a chunked body: its empty write sends nothing more)
         self._start()
-        out.pending += b"".join(_chunk(event) for event in out.events.opening)
+        out.pending += _framed(out.events.opening)
         out.events.chunks.waker = lambda: self._woken.put(out)
         self._woken.put(out)  # what came before the waker was set
         if not out.done.wait(max(0.0, out.events.deadline - time.monotonic())):
@@ -105,13 +105,13 @@ class StreamWriter:
         events = out.events
         try:
             if out.expired and not events.ended:
-                out.pending += b"".join(_chunk(event) for event in events.timed_out())
+                out.pending += _framed(events.timed_out())
             while not events.ended:
                 try:
                     chunk = events.chunks.queue.get_nowait()
                 except queue.Empty:
                     break
-                out.pending += b"".join(_chunk(event) for event in events.take(chunk))
+                out.pending += _framed(events.take(chunk))
             while out.pending:
                 sent = out.sock.send(out.pending, socket.MSG_DONTWAIT)
                 del out.pending[:sent]
@@ -132,6 +132,6 @@ class StreamWriter:
         return True
 
 
-def _chunk(data: bytes) -> bytes:
-    """`data` as one chunk of HTTP/1.1's chunked body, as gunicorn frames each item of the body it sends."""
-    return b"%X\r\n%s\r\n" % (len(data), data)
+def _framed(events: list[bytes]) -> bytes:
+    """Each event as one chunk of HTTP/1.1's chunked body, as gunicorn frames each item of the body it sends."""
+    return b"".join(b"%X\r\n%s\r\n" % (len(event), event) for event in events)
