@@ -34,6 +34,7 @@ import math
 import statistics
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
@@ -41,6 +42,7 @@ from config import EngineSettings
 from generate.engine import Engine, device_and_dtype, set_products
 from generate.model_runner import ModelRunner
 from generate.sequence import SamplingParams, Sequence
+from kvcache.block_manager import BlockManager
 from model.attention import CACHE_DTYPES
 from model.gpt2 import GPT, PRESETS, GPTConfig
 from model.loader import load_model
@@ -65,9 +67,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, help="--sweep: attention heads (default: the model's)")
     parser.add_argument("--ops", action="store_true", help="time the CPU kernels alone instead (store, attention)")
     parser.add_argument(
-        "--adjacent-blocks",
+        "--scattered-blocks",
         action="store_true",
-        help="--ops: each sequence's blocks adjacent in the pool, in order (default: anywhere in it, as they fall)",
+        help="--ops: each sequence's blocks anywhere in the pool, as a long-used pool's free queue gives them (default:"
+        " where the server's allocator puts a burst's: prompts admitted together, then grown to --context together)",
     )
     parser.add_argument(
         "--kv-cache-dtype", choices=("auto", "int8"), help="the cache's dtype (default: KV_CACHE_DTYPE's, or auto)"
@@ -96,7 +99,9 @@ def copy_bandwidth(device: torch.device) -> float:
     No kernel reaches a datasheet's figure, so the floor is what a copy of far more than the caches
     achieves on this device.
     """
-    src = torch.randint(0, 256, (512 * 2**20 if device.type == "cuda" else 64 * 2**20,), dtype=torch.uint8)
+    # 1 GiB each way on a CPU too: a server CPU's last-level cache may hold hundreds of MiB (480 on a Xeon here,
+    # where a copy of 64 MiB measured 15-40 % above one of 1 GiB)
+    src = torch.randint(0, 256, (512 * 2**20 if device.type == "cuda" else 2**30,), dtype=torch.uint8)
     src = src.to(device)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -117,11 +122,11 @@ def time_ops(
     context: int,
     bandwidth: float,
     cache_dtype: torch.dtype | None,
-    adjacent: bool = False,
+    scattered: bool = False,
 ) -> None:
     """Print the CPU kernels' ms per layer and GB/s: storing keys and values, and a decode step's attention, over a
-    cache in `dtype` or (cache_dtype int8) quantized, each sequence's blocks anywhere in the pool or (`adjacent`) in
-    order side by side."""
+    cache in `dtype` or (cache_dtype int8) quantized, each sequence's blocks where the server's allocator puts a
+    burst's (burst_tables) or (`scattered`) anywhere in the pool."""
     from model import cpu_attention
     from model.attention import LayerKV, paged_cache, paged_scales
 
@@ -140,8 +145,8 @@ def time_ops(
         layers = [LayerKV(k, v) for k, v in cache]
     else:
         layers = [LayerKV(k, v, k_scale, v_scale) for (k, v), (k_scale, v_scale) in zip(cache, scales)]
-    order = torch.arange if adjacent else torch.randperm
-    tables = order(batch * per_seq).view(batch, per_seq)  # [B, W]: blocks anywhere in the pool, or side by side
+    scatter = torch.randperm(batch * per_seq).view(batch, per_seq)  # [B, W]: blocks anywhere in the pool
+    tables = scatter if scattered else burst_tables(batch, context)  # [B, W]
     row_bytes = H * D * cache.element_size() + (H * 4 if cache_dtype else 0)  # a token's keys (or values) in a layer
     row_in = H * D * torch.tensor([], dtype=dtype).element_size()  # a new row, as the model computes it
 
@@ -176,6 +181,26 @@ def time_ops(
     print(f"batch {batch}, {cache.dtype} cache: op | ms a layer | GB/s | of a copy's {bandwidth / 1e9:.1f}")
     for name, seconds, rate in rows:
         print(f"  {name} | {1000 * seconds:.4f} | {rate / 1e9:.1f} | {100 * rate / bandwidth:.0f}%")
+
+
+def burst_tables(batch: int, context: int) -> torch.Tensor:
+    """[B, W] block tables as the server's allocator (kvcache/block_manager.py) lays out a burst in a fresh pool:
+    `batch` prompts of half the context admitted one after another, each with room for its growth, then every
+    sequence grown a token at a time together to `context` + 1 tokens."""
+    per_seq, prompt = -(-(context + 1) // BLOCK_SIZE), max(1, context // 2)
+    blocks = BlockManager(batch * per_seq, BLOCK_SIZE, prefix_cache=False)
+    seqs = [
+        SimpleNamespace(token_ids=[0] * prompt, block_table=[], num_shared_tokens=0, num_committed_blocks=0,
+                        reads_prefix_cache=False, lora_id=0)
+        for _ in range(batch)
+    ]  # fmt: skip
+    for seq in seqs:
+        blocks.allocate(seq, room=per_seq - blocks.blocks_for(prompt))
+    for _ in range(prompt, context + 1):
+        for seq in seqs:
+            seq.token_ids.append(0)
+            blocks.append_slot(seq)
+    return torch.tensor([seq.block_table for seq in seqs])
 
 
 def make_engine(model: GPT, settings: EngineSettings, batch: int, context: int, steps: int) -> tuple[Engine, int]:
@@ -264,7 +289,7 @@ def main() -> None:
         bandwidth = args.bandwidth or copy_bandwidth(device)
         print(f"{args.model}'s CPU kernels, {dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
         for batch in batch_sizes:
-            time_ops(PRESETS[args.model], dtype, batch, args.context, bandwidth, cache_dtype, args.adjacent_blocks)
+            time_ops(PRESETS[args.model], dtype, batch, args.context, bandwidth, cache_dtype, args.scattered_blocks)
         return
     model = load_model(f"random:{args.model}", device, dtype).model
     set_products(model, settings, device, dtype)  # as the server does (Engine.from_settings)

@@ -283,10 +283,14 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, leader: Sequence | None) -> None:
         """Give a waiting sequence its blocks (shared with its leader, or from the prefix cache) and a seat."""
+        # blocks it may still grow into, kept spare after its own so that they lie side by side
+        room = self.blocks.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens) - self.blocks.blocks_for(
+            len(seq.token_ids)
+        )
         if leader:
-            self.blocks.fork(seq, leader)
+            self.blocks.fork(seq, leader, room)
         else:
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq, room)
             self.prompt_tokens_admitted += len(seq.token_ids)  # prefix-cache queries and hits; forks share
             self.prompt_tokens_cached += seq.num_shared_tokens
         if seq.num_cached_prompt_tokens is None:  # its first admission: its tenant pays for what it computes

@@ -388,3 +388,81 @@ def test_reusing_a_cached_prefix_makes_it_recent_again() -> None:
     assert take_one_block(manager, held) == b_chain[0]
     assert in_trie(manager, a_chain) == [True, True]
     assert manager.evictions == 2
+
+
+# --- blocks side by side ------------------------------------------------------------------
+
+
+def grow(manager: BlockManager, seqs: list[FakeSeq], tokens_each: int) -> None:
+    """Every sequence appends `tokens_each` tokens, a token at a time together, as a batch decodes."""
+    for _ in range(tokens_each):
+        for seq in seqs:
+            seq.token_ids.append(0)
+            manager.append_slot(seq)
+        manager.check_integrity(seqs)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_sequences_admitted_with_room_grow_into_adjacent_blocks(prefix_cache: bool) -> None:
+    manager = BlockManager(64, BS, prefix_cache=prefix_cache)
+    seqs = [FakeSeq(tokens(100 * i, 6)) for i in range(4)]  # 2 blocks each, growing to 5 (19 tokens)
+    for seq in seqs:
+        manager.allocate(seq, room=3)
+    grow(manager, seqs, 13)
+    for seq in seqs:
+        assert len(seq.block_table) == 5
+        assert seq.block_table == list(range(seq.block_table[0], seq.block_table[0] + 5)), seq.block_table
+
+
+def test_without_room_growing_sequences_interleave_but_still_take_a_free_neighbour() -> None:
+    manager = BlockManager(64, BS, prefix_cache=False)
+    first, second = FakeSeq(tokens(0, 4)), FakeSeq(tokens(100, 4))
+    manager.allocate(first)
+    manager.allocate(second)
+    assert (first.block_table, second.block_table) == ([0], [1])
+    grow(manager, [second, first], 4)
+    assert second.block_table == [1, 2]  # its neighbour was free
+    assert first.block_table == [0, 3]  # its neighbour is the second's: the head of the queue instead
+
+
+def test_spare_blocks_go_to_others_once_no_plain_block_is_left() -> None:
+    manager = BlockManager(6, BS, prefix_cache=False)
+    roomy = FakeSeq(tokens(0, 4))
+    manager.allocate(roomy, room=4)  # block 0, and blocks 1-4 spare for it
+    assert manager.num_free_blocks == 5
+    other = FakeSeq(tokens(100, 12))
+    manager.allocate(other)  # block 5 first, then spare ones
+    manager.check_integrity([roomy, other])
+    assert other.block_table[0] == 5 and len(other.block_table) == 3
+    assert manager.num_free_blocks == 2
+    third = FakeSeq(tokens(200, 8))
+    manager.allocate(third)  # the last two: the pool is used whole
+    manager.check_integrity([roomy, other, third])
+    assert manager.num_free_blocks == 0
+    with pytest.raises(KVCacheExhausted):
+        grow(manager, [roomy], 1)
+
+
+def test_spare_blocks_are_used_before_a_cached_block_is_evicted() -> None:
+    manager = BlockManager(5, BS)
+    cached = run(manager, tokens(0, 8))  # two full blocks, cached once freed
+    manager.free(cached)
+    roomy = FakeSeq(tokens(100, 4))
+    manager.allocate(roomy, room=2)  # the next plain block, and the last plain one after it spare
+    assert roomy.block_table == [2] and manager.num_free_blocks == 4
+    other = FakeSeq(tokens(200, 4))
+    manager.allocate(other)
+    assert other.block_table == [3]  # spare, not the cached 0 or 1
+    assert in_trie(manager, [0, 1]) == [True, True] and manager.evictions == 0
+    manager.check_integrity([roomy, other])
+
+
+def test_a_freed_sequence_gives_its_spare_blocks_back_as_plain_free_ones() -> None:
+    manager = BlockManager(8, BS, prefix_cache=False)
+    roomy = FakeSeq(tokens(0, 4))
+    manager.allocate(roomy, room=3)  # block 0; blocks 1-3 spare
+    manager.free(roomy)
+    manager.check_integrity([])
+    again = FakeSeq(tokens(100, 16))
+    manager.allocate(again)  # a fresh run from the head of the queue: its blocks and the ones spare before
+    assert again.block_table == [0, 1, 2, 3]
