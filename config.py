@@ -243,10 +243,6 @@ class Settings:
             raise ValueError(f"API_SERVER_COUNT must be at least 1, got {self.api_server_count}")
         if self.api_server_count > 1 and self.engine_process != "on":
             raise ValueError("API_SERVER_COUNT above 1 needs ENGINE_PROCESS=on: its front ends share one engine")
-        if self.api_server_count > 1 and self.engine_process != "on":
-            raise ValueError(
-                "API_SERVER_COUNT above 1 needs ENGINE_PROCESS=on: its front ends share one engine process"
-            )
         if self.stream_interval < 1:
             raise ValueError(f"STREAM_INTERVAL must be at least 1, got {self.stream_interval}")
         if self.front_door.limit_by == "key" and not self.keyed:
