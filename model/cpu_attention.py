@@ -7,9 +7,10 @@ reads, and it is read three times. This kernel reads it once. torch builds it on
 compiler and ninja (`torch.utils.cpp_extension`), for this machine's instruction set, into torch's
 extension cache; where that cannot happen, `available()` says why and the engine keeps the reference.
 
-A prompt chunk's rows (LONG_RUN or more of one sequence) go instead to torch's fused attention on that
-sequence's keys and values copied out once: there the copy is small beside the work, which blocked products
-do faster than the kernel's one dot product per row and key.
+Where the kernel's vector form is not the faster (`long_run_for`: a CPU without AVX-512, or with AMX), a prompt
+chunk's rows (LONG_RUN or more of one sequence) go instead to torch's fused attention on that sequence's keys
+and values copied out once: there the copy is small beside the work, which blocked products do faster than the
+kernel's one dot product per row and key.
 
 The cache is in the model's dtype or int8 (KV_CACHE_DTYPE=int8, model/attention.py's LayerKV): the kernel stores
 rows quantized and reads them times their scales; a long run's copied blocks are dequantized first.
@@ -95,9 +96,23 @@ def available() -> bool:
     return build_problem() is None
 
 
-# From this many query rows of one sequence (a prompt chunk), torch's fused attention on its keys copied out
-# beats the kernel: a 256-token prompt's attention 2.8 against 6.4 ms a layer (gpt2, 12 heads, Zen 3).
-LONG_RUN = 32
+def long_run_for(flags: set[str]) -> int:
+    """From how many query rows of one sequence (a prompt chunk) torch's fused attention, on its keys and values
+    copied out, takes them from the kernel, on a CPU with these /proc/cpuinfo flags (sys.maxsize: never).
+
+    Without AVX-512 the kernel computes a row's scores one key at a time, and flash attention's blocked products
+    win from 32 rows: a 256-token prompt's attention 2.8 against 6.4 ms a layer (gpt2, 12 heads, Zen 3, float32).
+    With AVX-512 the kernel takes 16 keys at a time, and on a Zen 4 (no AMX) it wins at every length measured:
+    a whole prompt's attention over gpt2's 12 layers (profiler), bfloat16, 136 tokens 6.8 against 10.6 ms (the copy
+    included), 256: 19.1 against 27.4, 512: 59 against 88, 1,000: 214 against 302; float32, 136: 6.5 against 10.4,
+    512: 75 against 91. With AMX (Sapphire Rapids) torch's flash attention multiplies bfloat16 on its tiles, so
+    there the long runs stay with it until the two are compared on such a CPU."""
+    if "avx512f" in flags and "amx_tile" not in flags:
+        return sys.maxsize
+    return 32
+
+
+LONG_RUN = long_run_for(cpu_flags())
 HEAD_DIMS = (8, 16, 32, 64, 128)  # compiled in (cpu_attention.cpp's attend_any); GPT-2's is 64
 
 

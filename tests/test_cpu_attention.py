@@ -27,16 +27,29 @@ if not cpu_attention.available():
     pytest.skip(f"the kernel does not build here: {cpu_attention.build_problem()}", allow_module_level=True)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-LONG_RUN = cpu_attention.LONG_RUN
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=[32, sys.maxsize], ids=["long-runs-fused", "kernel-only"])
+def long_run(request, monkeypatch) -> int:
+    """Both ways a step's rows can be parted, on any CPU (cpu_attention.long_run_for picks one per machine): long
+    runs of a prompt to torch's fused attention from 32 rows, or every row to the kernel."""
+    monkeypatch.setattr(cpu_attention, "LONG_RUN", request.param)
+    return request.param
+
+
+def test_long_runs_go_to_the_kernel_where_its_vector_form_is_the_faster():
+    assert cpu_attention.long_run_for({"avx512f", "avx512_bf16", "avx2"}) == sys.maxsize  # Zen 4
+    assert cpu_attention.long_run_for({"avx2", "fma"}) == 32  # Zen 3: the kernel's scalar form
+    assert cpu_attention.long_run_for({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}) == 32  # Sapphire Rapids
 
 
 @pytest.mark.parametrize("shapes", SHAPES)
 @pytest.mark.parametrize("dtype", TOLERANCE)
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_kernel_equals_dense_attention(shapes, dtype, block_size, layout):
+def test_kernel_equals_dense_attention(shapes, dtype, block_size, layout, long_run):
     seqs = scheduled(block_size, num_blocks=600, shapes=SHAPES[shapes], seed=len(shapes))
     gen = torch.Generator().manual_seed(0)
     caches = [random_cache(layout, 600, block_size, gen).to(dtype) for _ in range(2)]
@@ -48,8 +61,10 @@ def test_kernel_equals_dense_attention(shapes, dtype, block_size, layout):
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
-@pytest.mark.parametrize("budget", [24, 96])  # 96: prompts of 43 and 63 tokens go whole, to torch's fused attention
-def test_greedy_output_through_the_kernel_equals_transformers(tiny_checkpoint, hf_greedy, prefix_cache, budget):
+@pytest.mark.parametrize("budget", [24, 96])  # 96: prompts of 43 and 63 tokens go whole (long runs)
+def test_greedy_output_through_the_kernel_equals_transformers(
+    tiny_checkpoint, hf_greedy, prefix_cache, budget, long_run
+):
     engine = make_engine(
         tiny_checkpoint,
         num_blocks=40,  # tight: sequences are preempted and recomputed
@@ -143,7 +158,7 @@ def int8_cache(held: torch.Tensor, heads: int, head_dim: int, gen: torch.Generat
 @pytest.mark.parametrize("dtype", TOLERANCE)
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("head_dim", [64, 16])  # 64 on AVX-512 runs the vector path, 16 the scalar one everywhere
-def test_kernel_over_an_int8_cache(shapes, dtype, block_size, head_dim):
+def test_kernel_over_an_int8_cache(shapes, dtype, block_size, head_dim, long_run):
     """(a) Against attention over the cache dequantized, to the kernel's float tolerance: exactly (in float64) for the
     kernel's rows, which scale the int8 values in float32, and in the queries' dtype for a long run's, which torch's
     fused attention reads as the reference backend does (model.attention.dequantize); the same numbers summed in
@@ -166,7 +181,7 @@ def test_kernel_over_an_int8_cache(shapes, dtype, block_size, head_dim):
         q, *(data.double() * scale.double()[..., None] for data, scale in quantized), seqs, block_size
     )
     as_read = dense_attention(q, *(dequantize(data, scale, dtype) for data, scale in quantized), seqs, block_size)
-    long = torch.cat([torch.full((s.num_scheduled_tokens, 1), s.num_scheduled_tokens >= LONG_RUN) for s in seqs])
+    long = torch.cat([torch.full((s.num_scheduled_tokens, 1), s.num_scheduled_tokens >= long_run) for s in seqs])
     torch.testing.assert_close(got, torch.where(long, as_read, exact), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
     rounding = torch.finfo(dtype).eps / 2  # a long run's copy in the queries' dtype
