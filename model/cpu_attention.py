@@ -106,7 +106,8 @@ def long_run_for(flags: set[str]) -> int:
     a whole prompt's attention over gpt2's 12 layers (profiler), bfloat16, 136 tokens 6.8 against 10.6 ms (the copy
     included), 256: 19.1 against 27.4, 512: 59 against 88, 1,000: 214 against 302; float32, 136: 6.5 against 10.4,
     512: 75 against 91. With AMX (Sapphire Rapids) torch's flash attention multiplies bfloat16 on its tiles, so
-    there the long runs stay with it until the two are compared on such a CPU."""
+    there the long runs stay with it until the two are compared on such a CPU. (The vector form needs a head
+    dimension that is a multiple of 32: every GPT-2 size's is 64.)"""
     if "avx512f" in flags and "amx_tile" not in flags:
         return sys.maxsize
     return 32
