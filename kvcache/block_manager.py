@@ -194,7 +194,7 @@ class BlockManager:
             self.ref_counts[block] = 1
             return block
         block, _ = self._free.popitem(last=False)
-        if self.trie is not None and block in self.trie:
+        if self._cached(block):
             for dropped in self.trie.remove(block):
                 self.evictions += 1
                 self._num_evictable -= 1
@@ -215,7 +215,7 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self._free[block] = None  # tail: most recently used
-            if self.trie is not None and block in self.trie:
+            if self._cached(block):
                 self._num_evictable += 1
             else:
                 self._free.move_to_end(block, last=False)
@@ -233,6 +233,6 @@ class BlockManager:
         assert free == set(self._free) | set(self._spare), "free queue differs from the unreferenced blocks"
         assert not set(self._free) & set(self._spare), "a block both spare and in the free queue"
         assert not any(self._cached(b) for b in self._spare), "a spare block holds a cached prefix"
-        assert self._num_evictable == sum(1 for b in self._free if self.trie and b in self.trie)
+        assert self._num_evictable == sum(1 for b in self._free if self._cached(b))
         if self.trie is not None:
             self.trie.check_integrity()
