@@ -80,6 +80,25 @@ inline f32x16 widen16(const int8_t* p) {
 #endif
 }
 
+// 16 values from p as floats, in order (int8's: above), for store_kv's quantizing and the run kernel.
+inline f32x16 widen16(const float* p) { return load16(p); }
+
+inline f32x16 widen16(const at::BFloat16* p) {
+  u16x16 w;
+  std::memcpy(&w, p, sizeof w);
+  const u32x16 bits = __builtin_convertvector(w, u32x16) << 16;
+  f32x16 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+template <typename T>
+inline f32x16 widen16(const T* p) {  // float16, float64: rows store_kv takes that the kernel never reads
+  f32x16 x;
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(p[i]);
+  return x;
+}
+
 inline void load32(const int8_t* p, f32x16& a, f32x16& b) {
   a = widen16(p);
   b = widen16(p + 16);
@@ -201,9 +220,9 @@ template <typename C>
 constexpr bool QUANTIZED = std::is_same_v<C, int8_t>;
 
 // A work item's buffers, reused from one to the next: its scores, then its weights, and an int8 cache's key and
-// value scales in key order.
+// value scales in key order; a run's keys and values widened.
 struct Scratch {
-  std::vector<float> scores, k_scales, v_scales;
+  std::vector<float> scores, k_scales, v_scales, keys, values;  // keys, values: a run's, as float32 (attend_rows16)
 };
 
 // An int8 cache's scales of a row's keys, copied in key order from each block's row of scales (keys + 16 of them:
@@ -347,10 +366,101 @@ void attend_row(const Layout& L, const T* q, const C* kp, const C* vp, const flo
   for (int d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] / total);
 }
 
+// A head's first `keys` keys (or values) as rows of D float32 in key order, an int8 cache's each times its scale.
+template <typename C, int D>
+void widen_rows(const C* p, const float* sp, const Layout& L, int64_t nb, int64_t t, int64_t s_nb, int64_t s_t,
+                const int64_t* table, int64_t keys, std::vector<float>& out) {
+  out.resize(keys * D);
+  for (int64_t k = 0; k < keys; ++k) {
+    const int64_t block = table[k / L.bs], i = k % L.bs;
+    const C* row = p + block * nb + i * t;
+    float* o = &out[k * D];
+    if constexpr (D % 16 == 0) {
+      for (int c = 0; c < D; c += 16) {
+        const f32x16 x = widen16(row + c);
+        std::memcpy(o + c, &x, sizeof x);
+      }
+    } else {
+      for (int d = 0; d < D; ++d) o[d] = static_cast<float>(row[d]);
+    }
+    if constexpr (QUANTIZED<C>)
+      for (int d = 0; d < D; ++d) o[d] *= sp[block * s_nb + i * s_t];
+  }
+}
+
+// Up to RUN_ROWS query rows of one sequence and head (a prompt chunk's), 16 at a time, a row per lane. attend_row16
+// reads every key again for each row and sums each dot product across a vector; here each key's elements, widened
+// into the scratch once for all the rows, multiply a vector of 16 rows' query elements: D multiply-adds per key for
+// 16 rows, no sums across lanes, and the softmax and the weighted values 16 rows at a time. Row r sees the first
+// first_keys + r keys (causal); out: row 0's output, each next row's L.H * D further.
+// A gpt2 prompt's attention, 12 layers, bfloat16, 2 threads (AMD EPYC Zen 4, profiler), row by row against this way:
+// 136 tokens 6.8 -> 3.7 ms, 256 tokens 13-16 -> 8.6 ms, 1,000 tokens 214 -> 118 ms.
+constexpr int64_t RUN_ROWS = 64;  // a work item's: enough to widen each key once for many rows, few enough to share
+
+template <typename T, typename C, int D>
+void attend_rows16(const Layout& L, const T* q, int64_t rows, const C* kp, const C* vp, const float* ksp,
+                   const float* vsp, const int64_t* table, int64_t first_keys, float scale, Scratch& work, T* out) {
+  constexpr int K = 4;  // keys scored at once: independent sums (measured: 4 faster than 8 or 16)
+  constexpr int J = D < 16 ? D : 16;  // output elements summed at once, a vector of 16 rows each
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const f32x16 none = splat(-std::numeric_limits<float>::infinity());
+  widen_rows<C, D>(kp, ksp, L, L.k_nb, L.k_t, L.ks_nb, L.ks_t, table, first_keys + rows - 1, work.keys);
+  widen_rows<C, D>(vp, vsp, L, L.v_nb, L.v_t, L.vs_nb, L.vs_t, table, first_keys + rows - 1, work.values);
+  std::vector<float>& st = work.scores;  // key k's 16 scores at st[16k], then their weights
+  st.resize((first_keys + rows - 1 + K) * 16);
+  for (int64_t g = 0; g < rows; g += 16, q += 16 * L.q_row, out += 16 * L.H * D, first_keys += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - g), keys = first_keys + n - 1;  // keys: the group's last row's
+    f32x16 qt[D];  // qt[d]: lane r the r-th row's element d, times the scale; the lanes past the rows zeros
+    for (int d = 0; d < D; ++d) qt[d] = f32x16{};
+    for (int64_t r = 0; r < n; ++r)
+      for (int d = 0; d < D; ++d) qt[d][r] = static_cast<float>(q[r * L.q_row + d]) * scale;
+    f32x16 top = none;
+    for (int64_t k0 = 0; k0 < keys; k0 += K) {
+      const float* key[K];
+      for (int i = 0; i < K; ++i) key[i] = &work.keys[std::min(k0 + i, keys - 1) * D];  // past the last: unused
+      f32x16 acc[K] = {};
+      for (int d = 0; d < D; ++d)
+        for (int i = 0; i < K; ++i) acc[i] += qt[d] * key[i][d];
+      for (int i = 0; i < K; ++i) {
+        const f32x16 s = lane > static_cast<float>(k0 + i - first_keys) ? acc[i] : none;  // a later row's: none
+        top = top > s ? top : s;
+        std::memcpy(&st[(k0 + i) * 16], &s, sizeof s);
+      }
+    }
+    f32x16 total{};
+    for (int64_t k = 0; k < keys; ++k) {
+      f32x16 e = exp16(load16(&st[k * 16]) - top);
+      e = lane > static_cast<float>(k - first_keys) ? e : f32x16{};  // exp16 gives none a tiny weight, not 0
+      total += e;
+      std::memcpy(&st[k * 16], &e, sizeof e);
+    }
+    for (int c = 0; c < D; c += J) {
+      f32x16 acc[J] = {};
+      for (int64_t k = 0; k < keys; ++k) {
+        const f32x16 p = load16(&st[k * 16]);
+        const float* value = &work.values[k * D + c];
+        for (int j = 0; j < J; ++j) acc[j] += p * value[j];
+      }
+      for (int64_t r = 0; r < n; ++r)
+        for (int j = 0; j < J; ++j) out[r * L.H * D + c + j] = static_cast<T>(acc[j][r] / total[r]);
+    }
+  }
+}
+
 struct Inputs {  // paged_attention's arguments; the scales undefined for a cache in the queries' dtype
   const at::Tensor &q, &k_cache, &v_cache, &query_start, &context_lens, &block_tables, &k_scale, &v_scale;
   float scale;
 };
+
+// A sequence whose query rows go to attend_rows16, RUN_ROWS a work item: a prompt chunk's, with AVX-512 (as
+// attend_row16, where a vector is one register). Fewer rows (decode's one) go row by row.
+constexpr bool is_run([[maybe_unused]] int64_t rows) {
+#if defined(__AVX512F__)
+  return rows >= 8;
+#else
+  return false;
+#endif
+}
 
 template <typename T, typename C, int D>
 void attend(const Inputs& in, at::Tensor& out) {
@@ -371,13 +481,14 @@ void attend(const Inputs& in, at::Tensor& out) {
   const float* ksp = scaled ? ks.data_ptr<float>() : nullptr;
   const float* vsp = scaled ? vs.data_ptr<float>() : nullptr;
   T* op = out.data_ptr<T>();
-  // work items: (sequence, head, query row), the rows of one (sequence, head) together: their keys stay in cache
+  // work items: (sequence, head, query row), or (sequence, head, RUN_ROWS rows) for a run; the rows of one
+  // (sequence, head) together: their keys stay in cache
   std::vector<int64_t> item_start(L.B + 1, 0);
   for (int64_t b = 0; b < L.B; ++b) {
     const int64_t rows = starts[b + 1] - starts[b];
     TORCH_CHECK(rows >= 1 && lens[b] >= rows && lens[b] <= L.W * L.bs, "sequence ", b, ": ", rows,
                 " query rows over ", lens[b], " keys in a table of ", L.W * L.bs);
-    item_start[b + 1] = item_start[b] + rows * L.H;
+    item_start[b + 1] = item_start[b] + (is_run(rows) ? (rows + RUN_ROWS - 1) / RUN_ROWS : rows) * L.H;
   }
   parallel(item_start[L.B], [&](int64_t begin, int64_t end) {
     Scratch work;
@@ -385,6 +496,17 @@ void attend(const Inputs& in, at::Tensor& out) {
     for (int64_t item = begin; item < end; ++item) {
       while (item >= item_start[b + 1]) ++b;
       const int64_t rows = starts[b + 1] - starts[b], local = item - item_start[b];
+#if defined(__AVX512F__)
+      if (is_run(rows)) {
+        const int64_t items = (rows + RUN_ROWS - 1) / RUN_ROWS, h = local / items;
+        const int64_t first = starts[b] + local % items * RUN_ROWS;
+        attend_rows16<T, C, D>(L, qp + first * L.q_row + h * L.q_h, std::min(RUN_ROWS, starts[b + 1] - first),
+                               kp + h * L.k_h, vp + h * L.v_h, scaled ? ksp + h * L.ks_h : nullptr,
+                               scaled ? vsp + h * L.vs_h : nullptr, tables + b * L.table_stride,
+                               lens[b] - (starts[b + 1] - 1 - first), in.scale, work, op + (first * L.H + h) * D);
+        continue;
+      }
+#endif
       const int64_t h = local / rows, row = starts[b] + local % rows;
       const int64_t keys = lens[b] - (starts[b + 1] - 1 - row);  // causal: up to this row's own position
       attend_row<T, C, D>(L, qp + row * L.q_row + h * L.q_h, kp + h * L.k_h, vp + h * L.v_h,
@@ -449,25 +571,6 @@ void store_rows(at::Tensor& cache, const at::Tensor& rows, const int64_t* slots,
     for (int64_t h = 0; h < H; ++h)
       std::copy_n(r + t * rows.stride(0) + h * rows.stride(1), D,
                   c + (slots[t] / bs) * cache.stride(0) + (slots[t] % bs) * cache.stride(1) + h * cache.stride(2));
-}
-
-// 16 values from p as floats, in order (int8's: above).
-inline f32x16 widen16(const float* p) { return load16(p); }
-
-inline f32x16 widen16(const at::BFloat16* p) {
-  u16x16 w;
-  std::memcpy(&w, p, sizeof w);
-  const u32x16 bits = __builtin_convertvector(w, u32x16) << 16;
-  f32x16 x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
-
-template <typename T>
-inline f32x16 widen16(const T* p) {  // float16, float64: rows store_kv takes that the kernel never reads
-  f32x16 x;
-  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(p[i]);
-  return x;
 }
 
 // The largest of 16 lanes, in four rounds of halving (one vmaxss after another, 16 deep, took a quarter of a row's

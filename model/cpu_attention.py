@@ -102,10 +102,11 @@ def long_run_for(flags: set[str]) -> int:
 
     Without AVX-512 the kernel computes a row's scores one key at a time, and flash attention's blocked products
     win from 32 rows: a 256-token prompt's attention 2.8 against 6.4 ms a layer (gpt2, 12 heads, Zen 3, float32).
-    With AVX-512 the kernel takes 16 keys at a time, and on a Zen 4 (no AMX) it wins at every length measured:
+    With AVX-512 the kernel takes 16 keys at a time, and on a Zen 4 (no AMX) it won at every length measured:
     a whole prompt's attention over gpt2's 12 layers (profiler), bfloat16, 136 tokens 6.8 against 10.6 ms (the copy
     included), 256: 19.1 against 27.4, 512: 59 against 88, 1,000: 214 against 302; float32, 136: 6.5 against 10.4,
-    512: 75 against 91. With AMX (Sapphire Rapids) torch's flash attention multiplies bfloat16 on its tiles, so
+    512: 75 against 91. Since then it takes a prompt chunk's rows 16 at a time (attend_rows16): 136 tokens 3.7 ms,
+    256: 8.6, 1,000: 118. With AMX (Sapphire Rapids) torch's flash attention multiplies bfloat16 on its tiles, so
     there the long runs stay with it until the two are compared on such a CPU. (The vector form needs a head
     dimension that is a multiple of 32: every GPT-2 size's is 64.)"""
     if "avx512f" in flags and "amx_tile" not in flags:
