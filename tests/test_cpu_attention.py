@@ -157,7 +157,7 @@ def int8_cache(held: torch.Tensor, heads: int, head_dim: int, gen: torch.Generat
 @pytest.mark.parametrize("shapes", SHAPES)  # decodes, chunks (one of them a long run), a 1024-token prompt
 @pytest.mark.parametrize("dtype", TOLERANCE)
 @pytest.mark.parametrize("block_size", [16, 4])
-@pytest.mark.parametrize("head_dim", [64, 16])  # 64 on AVX-512 runs the vector path, 16 the scalar one everywhere
+@pytest.mark.parametrize("head_dim", [64, 16])  # decode rows: 64 on AVX-512 the vector path, 16 the scalar one
 def test_kernel_over_an_int8_cache(shapes, dtype, block_size, head_dim, long_run):
     """(a) Against attention over the cache dequantized, to the kernel's float tolerance: exactly (in float64) for the
     kernel's rows, which scale the int8 values in float32, and in the queries' dtype for a long run's, which torch's
