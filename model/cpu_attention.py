@@ -7,10 +7,10 @@ reads, and it is read three times. This kernel reads it once. torch builds it on
 compiler and ninja (`torch.utils.cpp_extension`), for this machine's instruction set, into torch's
 extension cache; where that cannot happen, `available()` says why and the engine keeps the reference.
 
-Where the kernel's vector form is not the faster (`long_run_for`: a CPU without AVX-512, or with AMX), a prompt
-chunk's rows (LONG_RUN or more of one sequence) go instead to torch's fused attention on that sequence's keys
-and values copied out once: there the copy is small beside the work, which blocked products do faster than the
-kernel's one dot product per row and key.
+With AVX-512 the kernel takes a prompt chunk's rows 16 at a time. Where that is not known to be the faster
+(`long_run_for`: a CPU without AVX-512, whose kernel takes one dot product per row and key, or with AMX, not
+compared there), a prompt chunk's rows (LONG_RUN or more of one sequence) go instead to torch's fused attention on
+that sequence's keys and values copied out once: there the copy is small beside the work.
 
 The cache is in the model's dtype or int8 (KV_CACHE_DTYPE=int8, model/attention.py's LayerKV): the kernel stores
 rows quantized and reads them times their scales; a long run's copied blocks are dequantized first.
