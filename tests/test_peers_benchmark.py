@@ -134,25 +134,47 @@ def test_peak_memory_counts_the_whole_process_tree():
     assert peaks["rss_mib"] > 200 and 200 < peaks["pss_mib"] <= peaks["rss_mib"]
 
 
+# Grows by 20 MiB at each line it reads, and says so; ends when stdin closes.
+GROWER = "import sys\nheld = []\nfor _ in sys.stdin:\n    held.append(b'1' * (20 * 2**20))\n    print('grown', flush=1)"
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="no /proc smaps_rollup")
-def test_peak_memory_walks_page_tables_only_when_rss_grows(monkeypatch):
+def test_peak_memory_walks_a_process_only_when_its_rss_grows(monkeypatch):
+    """The page-table walk for PSS, process by process: at its first sample, after its own RSS has grown, and at the
+    stop. A parent whose memory stays put is walked twice, however often its child grows."""
     walks, samples = [], []
     monkeypatch.setattr(memory, "SAMPLE_EVERY_S", 0.005)
-    monkeypatch.setattr(memory, "tree_memory_kb", lambda root: walks.append(root) or (0, 1))
+    monkeypatch.setattr(memory, "pss_kb", lambda pid: walks.append(pid) or 1)
     resident_kb = memory.resident_kb
     monkeypatch.setattr(memory, "resident_kb", lambda root: samples.append(root) or resident_kb(root))
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, GROWER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+    def grow() -> None:
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline() == "grown\n"
+
+    def sampled_twice_more() -> None:  # the sampler has seen the tree as it is now
+        count, deadline = len(samples), time.monotonic() + 30
+        while len(samples) < count + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the sampler's count, with a deadline
+
     try:
-        assert holder.stdout.readline() == "held\n"  # its memory is all there: its RSS stays
-        with memory.PeakMemory(holder.pid) as peaks:
-            deadline = time.monotonic() + 30
-            while len(samples) < 20 and time.monotonic() < deadline:
-                time.sleep(0.01)  # polling the sampler's count, with a deadline
+        grow()  # the child is running
+        with memory.PeakMemory(parent.pid) as peaks:
+            for _ in range(3):
+                sampled_twice_more()
+                grow()
+            sampled_twice_more()
     finally:
-        holder.stdin.close()
-        holder.wait(timeout=30)
-    assert len(samples) >= 20 and len(walks) == 2  # the first sample's and the stop's
-    assert peaks.rss_kb > 200 * 1024 and peaks.pss_kb == 1
+        parent.stdin.close()
+        parent.wait(timeout=30)
+    (child,) = set(walks) - {parent.pid}
+    assert walks.count(parent.pid) == 2  # its first sample and the stop
+    assert walks.count(child) >= 5  # its first sample, after each of its 3 growths, and the stop
+    assert peaks.rss_kb > 80 * 1024 and peaks.pss_kb == 2  # each process's PSS (1 here) summed
 
 
 def test_the_offline_system_is_the_engine_on_the_same_requests(tiny_checkpoint, hf_greedy, tmp_path):
