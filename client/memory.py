@@ -14,7 +14,7 @@ PROC = Path("/proc")
 # process's RSS from statm (a counter, no walk) and walks a process for PSS only when its RSS has grown past its last
 # walk's by PSS_WALK_GROWTH, and each once more at the stop. A burst's RSS grows all along as its KV blocks are first
 # written, so a 10 s burst still walks the engine's process ~25 times, but the processes around it (gunicorn's
-# master and worker: 2.5-2.8 ms a walk against the engine's 10 ms at rest, Zen 4) only at the start and the stop:
+# master and worker: 2.4-2.8 ms a walk against the engine's 10 ms at rest, Zen 4) only at the start and the stop:
 # the client of a streamed burst 0.044-0.051 of a core where walking the whole tree at each growth took 0.054-0.057
 # (five rounds each). Spacing the walks out saves a little more but misses a process that ends before the stop's
 # walk (the offline engine's peak PSS read 2-3 % low with 5 s).
