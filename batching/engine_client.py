@@ -188,7 +188,8 @@ class EngineClient:
         self._pending[rid] = list(infs)
         self._rid.update((inference, rid) for inference in infs)
         try:
-            submit = wire.Submit(self.client, rid, completions, stop, first.priority, first.tenant, lora)
+            streamed = first.chunks is not None
+            submit = wire.Submit(self.client, rid, completions, stop, first.priority, first.tenant, lora, streamed)
             refusal = self._ask(rid, submit)
         except NotServing:
             self._forget(rid)
@@ -337,20 +338,16 @@ class EngineClient:
         _stream(touched)
 
     def _tokens(self, tokens: wire.Tokens) -> list[Inference]:
-        """A step's tokens, each appended to its sequence and its text made here (stop strings are the engine's to
-        find, as it decides every end; the same text stream finds them here at the same token): the completions
-        they went to, whose deltas are streamed once the message's ends are known, as BatchingManager does."""
+        """A step's tokens, each appended to its sequence and its text made here: the completions they went to,
+        whose deltas are streamed once the message's ends are known, as BatchingManager does."""
         pending, now, touched = self._pending, time.monotonic(), []
         for rid, index, token in zip(tokens.rids, tokens.indices, tokens.ids):
             completions = pending.get(rid)
             if completions is None:
                 continue  # its request was answered already (refused, or failed with an engine that died)
             inference = completions[index]
-            seq = inference.seq
-            seq.token_ids.append(token)
+            _append(inference, token)
             inference.first_token_at = inference.first_token_at or now
-            if inference.text is not None and not _ends_unseen(seq, token):
-                inference.text.push(token, seq.num_generated >= seq.params.min_tokens)
             touched.append(inference)
         for row, entries in tokens.logprobs:
             completions = pending.get(tokens.rids[row])
@@ -368,6 +365,9 @@ class EngineClient:
             return
         inference = completions[ended.index]
         seq = inference.seq
+        for token in ended.ids:  # not streamed: what followed its first token
+            _append(inference, token)
+        seq.logprobs += _logprobs(ended.logprobs)
         seq.status, seq.finish_reason = Status.FINISHED, ended.finish_reason
         seq.num_cached_prompt_tokens = ended.num_cached_prompt_tokens
         if ended.prompt_logprobs:
@@ -405,6 +405,15 @@ def _stream(touched: list[Inference]) -> None:
     for inference in touched:
         if not inference.done.is_set():
             inference.stream(finished=False)
+
+
+def _append(inference: Inference, token: int) -> None:
+    """A token to its completion's sequence, and its text (stop strings are the engine's to find, as it decides
+    every end; the same text stream finds them here at the same token)."""
+    seq = inference.seq
+    seq.token_ids.append(token)
+    if inference.text is not None and not _ends_unseen(seq, token):
+        inference.text.push(token, seq.num_generated >= seq.params.min_tokens)
 
 
 def _ends_unseen(seq: Sequence, token: int) -> bool:

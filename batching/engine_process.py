@@ -202,13 +202,16 @@ class EngineCore:
             if token is None:
                 continue  # a prompt chunk
             sink: _Sink = inference.chunks
+            index, seq = inference.index, inference.seq
+            position = sink.sent[index]
+            if position and not sink.streamed:
+                continue  # goes with its Ended
             client, rid = sink.key
             out = columns.get(client) or columns.setdefault(client, wire.Tokens([], [], [], [], []))
-            row, index, seq = len(out.ids), inference.index, inference.seq
+            row = len(out.ids)
             out.rids.append(rid)
             out.indices.append(index)
             out.ids.append(token)
-            position = sink.sent[index]
             sink.sent[index] = position + 1
             if seq.params.logprobs is not None:
                 out.logprobs.append((row, [seq.logprobs[position]]))
@@ -290,7 +293,7 @@ class EngineCore:
     def submit(self, request: wire.Submit) -> wire.Ack:
         completions: list[Inference] = []
         key = (request.client, request.rid)
-        sink = _Sink(key, len(request.completions), self)
+        sink = _Sink(key, len(request.completions), request.streamed, self)
         lora = self.engine.loras.get(request.lora) if request.lora is not None else None
         if request.lora is not None and lora is None:  # unloaded since the front end looked it up
             return wire.Ack(request.rid, ("missing", 404, f"the model '{request.lora}' does not exist here", 0, ""))
@@ -396,10 +399,11 @@ class EngineCore:
 
 class _Sink:
     """An engine-side request's `chunks`: each completion, once answered, goes to the front end as Ended (its tokens
-    go in the step's Tokens, EngineCore.flush; deltas are the front end's to make)."""
+    go in the steps' Tokens, EngineCore.flush, all or, not streamed, the first; deltas are the front end's to
+    make)."""
 
-    def __init__(self, key: tuple[int, int], count: int, core: EngineCore):
-        self.key, self.core = key, core  # (front end, request id)
+    def __init__(self, key: tuple[int, int], count: int, streamed: bool, core: EngineCore):
+        self.key, self.streamed, self.core = key, streamed, core  # (front end, request id)
         self.sent = [0] * count  # tokens sent, by completion index
         self.answered = 0
 
@@ -408,9 +412,13 @@ class _Sink:
             return
         seq, index = chunk.seq, chunk.index
         prompt_logprobs = seq.prompt_logprobs if seq.num_generated == 0 else []  # no token carried them
+        # Answered in the step that ends it, before that step's flush: whatever the count sent so far, its first
+        # token goes (went) with a step, the others here, when it is not streamed.
+        rest = [] if self.streamed else seq.completion_ids[1:]
         ended = wire.Ended(
-            self.key[1], index, seq.finish_reason, chunk.error, seq.num_cached_prompt_tokens, prompt_logprobs
-        )
+            self.key[1], index, seq.finish_reason, chunk.error, seq.num_cached_prompt_tokens, prompt_logprobs, rest,
+            seq.logprobs[1:] if rest and seq.params.logprobs is not None else [],
+        )  # fmt: skip
         self.core.ended.append((self.key[0], ended))
         self.answered += 1
         if self.answered == len(self.sent):

@@ -5,7 +5,9 @@ array, so nothing a client sent is ever unpickled and a step's message stays a f
 (a gunicorn worker; API_SERVER_COUNT of them) says Hello with its process id, its name in every message after;
 then it sends Submit, Cancel and Call. The engine answers Hello with Ready, then sends each front end batches
 (lists) of Ack, Tokens, Ended, Reply and Status, as many as were ready for it when its sender woke: a step's
-tokens leave together, as one Tokens of ids; the front end makes their text.
+tokens leave together, as one Tokens of ids; the front end makes their text. A completion that is not streamed
+has only its first token sent with its step (its time to first token), the rest with its Ended: nobody reads them
+sooner, and a step then costs the front ends nothing for it.
 """
 
 import msgspec
@@ -53,6 +55,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     priority: int
     tenant: str
     lora: str | None
+    streamed: bool  # its completions' tokens each go with their step; else only the first (the rest with Ended)
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -117,7 +120,7 @@ class Tokens(msgspec.Struct, tag="tokens", array_like=True):
 
 
 class Ended(msgspec.Struct, tag="ended", array_like=True):
-    """How a completion ended (after the Tokens that carried its last token): its answer follows."""
+    """How a completion ended (after the Tokens that carried its last token sent): its answer follows."""
 
     rid: int
     index: int
@@ -125,6 +128,8 @@ class Ended(msgspec.Struct, tag="ended", array_like=True):
     error: str | None
     num_cached_prompt_tokens: int | None
     prompt_logprobs: Logprobs  # its prompt's, if asked and no token carried them (none was generated)
+    ids: list[int]  # a completion not streamed: its tokens after the first (no Tokens carried them)
+    logprobs: Logprobs  # and theirs, if asked
 
 
 class Reply(msgspec.Struct, tag="reply", array_like=True):

@@ -99,7 +99,7 @@ def loop_only(directory: Path, gpu: Path, requests: int, rounds: int) -> dict:
     first, start = manager.engine.num_steps, time.perf_counter()
     for round_ in range(rounds):
         for rid in range(requests):
-            ack = core.submit(wire.Submit(os.getpid(), round_ * requests + rid, [completion], [], 0, "", None))
+            ack = core.submit(wire.Submit(os.getpid(), round_ * requests + rid, [completion], [], 0, "", None, True))
             assert ack.refusal is None, ack
         while core.requests:  # as the sender: every message taken off
             with contextlib.suppress(queue.Empty):

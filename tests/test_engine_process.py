@@ -240,12 +240,12 @@ def test_a_refusal_comes_from_the_engines_admission(tmp_path, front_ends):
     assert stats["requests_completed"] == codes.count(200) and sum(stats["front_end_requests"]) == 8
 
 
-def test_a_request_the_engine_cannot_take_is_refused_alone(tmp_path):
-    """In the engine's process, a request whose constraint fails to compile there (the front end compiled it,
-    then the engine's own compile failed: a timeout, say) is answered 400 and the next request still runs."""
+@contextlib.contextmanager
+def engine_core(tmp_path: Path) -> Iterator:
+    """The engine process's EngineCore and loop in this process, over the simulated engine (1 ms steps); after the
+    block, everything it queued for front end 7 (the sender's work, left undone)."""
     import functools
 
-    from batching import wire
     from batching.engine_process import EngineCore
     from batching.manager import BatchingManager
     from config import Settings
@@ -258,26 +258,58 @@ def test_a_request_the_engine_cannot_take_is_refused_alone(tmp_path):
     )
     core.attach(manager)
     manager.start()
+    queued: list = []
     try:
-        params = wire.Params(4, 0.0, 0, 1.0, None, False, None, None, 0, 0.0, 0.0, 1.0, [], None)
-        bad = wire.Params(
-            **{**{f: getattr(params, f) for f in params.__struct_fields__}, "constraint": ("nope", "", None)}
-        )
-        refused = core._submit_or_refuse(
-            wire.Submit(7, 1, [wire.Completion([1, 2], bad, False, False)], [], 0, "", None)
-        )
-        assert refused.refusal is not None and refused.refusal[1] == 400 and "nope" in refused.refusal[2]
-        accepted = core._submit_or_refuse(
-            wire.Submit(7, 2, [wire.Completion([1, 2], params, False, False)], [], 0, "", None)
-        )
-        assert accepted.refusal is None
-        wait_until(lambda: (7, 2) not in core.requests)  # answered: its end went out
+        yield core, queued
     finally:
         manager.shut_down(0)
         manager.join()
-    queued = []
     while not core.outgoing.empty():
         queued += [message for client, message in core.outgoing.get_nowait() if client == 7]
+
+
+def sent_tokens(queued: list, rid: int) -> list[int]:
+    from batching import wire
+
+    return [i for m in queued if isinstance(m, wire.Tokens) for r, i in zip(m.rids, m.ids) if r == rid]
+
+
+def test_a_request_the_engine_cannot_take_is_refused_alone(tmp_path):
+    """In the engine's process, a request whose constraint fails to compile there (the front end compiled it,
+    then the engine's own compile failed: a timeout, say) is answered 400 and the next request still runs."""
+    from batching import wire
+
+    params = wire.Params(4, 0.0, 0, 1.0, None, False, None, None, 0, 0.0, 0.0, 1.0, [], None)
+    bad = wire.Params(**{**{f: getattr(params, f) for f in params.__struct_fields__}, "constraint": ("nope", "", None)})
+    with engine_core(tmp_path) as (core, queued):
+        refused = core._submit_or_refuse(
+            wire.Submit(7, 1, [wire.Completion([1, 2], bad, False, False)], [], 0, "", None, True)
+        )
+        assert refused.refusal is not None and refused.refusal[1] == 400 and "nope" in refused.refusal[2]
+        accepted = core._submit_or_refuse(
+            wire.Submit(7, 2, [wire.Completion([1, 2], params, False, False)], [], 0, "", None, True)
+        )
+        assert accepted.refusal is None
+        wait_until(lambda: (7, 2) not in core.requests)  # answered: its end went out
     (end,) = [m for m in queued if isinstance(m, wire.Ended)]
-    tokens = [i for m in queued if isinstance(m, wire.Tokens) for rid, i in zip(m.rids, m.ids) if rid == 2]
-    assert (end.rid, end.finish_reason, len(tokens)) == (2, "length", 4)
+    assert (end.rid, end.finish_reason, len(sent_tokens(queued, 2))) == (2, "length", 4)
+
+
+def test_a_completion_not_streamed_has_its_first_token_sent_with_its_step_and_the_rest_with_its_end(tmp_path):
+    """Not streamed, a completion's tokens after its first go in its Ended, with their log-probabilities, not one
+    per step: the same tokens as the same request streamed, whose Ended carries none."""
+    from batching import wire
+
+    params = wire.Params(6, 0.0, 0, 1.0, None, False, 1, None, 0, 0.0, 0.0, 1.0, [], None)
+    with engine_core(tmp_path) as (core, queued):
+        for rid, streamed in ((1, True), (2, False)):
+            submit = wire.Submit(7, rid, [wire.Completion([5, 6, 7], params, False, False)], [], 0, "", None, streamed)
+            assert core._submit_or_refuse(submit).refusal is None
+        wait_until(lambda: not core.requests)
+    ends = {m.rid: m for m in queued if isinstance(m, wire.Ended)}
+    streamed, whole = sent_tokens(queued, 1), sent_tokens(queued, 2)
+    assert len(streamed) == 6 and ends[1].ids == [] and ends[1].logprobs == []
+    assert len(whole) == 1 and whole + ends[2].ids == streamed
+    rows = [(m.rids[row], entries) for m in queued if isinstance(m, wire.Tokens) for row, entries in m.logprobs]
+    per_step = {rid: [entry for r, entries in rows if r == rid for entry in entries] for rid in (1, 2)}
+    assert len(per_step[1]) == 6 and per_step[2] + ends[2].logprobs == per_step[1]
