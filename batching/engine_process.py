@@ -403,7 +403,7 @@ class _Sink:
     make)."""
 
     def __init__(self, key: tuple[int, int], count: int, streamed: bool, core: EngineCore):
-        self.key, self.streamed, self.core = key, streamed, core  # (front end, request id)
+        self.key, self.streamed, self.core = key, streamed, core  # key: (front end, request id)
         self.sent = [0] * count  # tokens sent, by completion index
         self.answered = 0
 
