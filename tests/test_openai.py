@@ -185,8 +185,12 @@ def test_clients_that_hang_up_mid_stream_free_their_blocks(url):
             next(response.iter_lines())  # the first event, then hang up
     stats = wait_for_idle(url, answered=before["requests_completed"] + before["requests_failed"] + 100)
     assert stats["kv_blocks_used"] == 0 and stats["kv_cache_integrity"] == "ok"
-    assert stats["requests_failed"] - before["requests_failed"] == 100  # cancelled, not run to the end
-    assert stats["requests_completed"] == before["requests_completed"]
+    failed = stats["requests_failed"] - before["requests_failed"]
+    completed = stats["requests_completed"] - before["requests_completed"]
+    # Cancelled, not run to the end: all but a request whose client, descheduled on a busy machine, hung up only
+    # after the tiny model's 500 tokens had all gone into its socket's buffer (seen once in CI: 99 of 100).
+    # Without cancellation every one would complete.
+    assert failed + completed == 100 and failed >= 90
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
