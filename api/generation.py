@@ -147,7 +147,7 @@ def _prompts(prompt: Prompt, tokenizer: tiktoken.Encoding) -> list[list[int]]:
     """A string, a list of token ids, or a list of either (the shapes the bodies allow): each prompt's ids."""
     many = isinstance(prompt, list) and not isinstance(prompt[0], int)
     items = prompt if many else [prompt]
-    if any(isinstance(p, list) and not all(0 <= t < tokenizer.n_vocab for t in p) for p in items):
+    if any(isinstance(p, list) and p and not 0 <= min(p) <= max(p) < tokenizer.n_vocab for p in items):
         raise bad(f"'prompt' token ids must be from 0 to {tokenizer.n_vocab - 1}", "prompt")
     return [encode_prompt(tokenizer, p) if isinstance(p, str) else p for p in items]
 

@@ -346,7 +346,7 @@ class EngineClient:
             if completions is None:
                 continue  # its request was answered already (refused, or failed with an engine that died)
             inference = completions[index]
-            _append(inference, token)
+            _append(inference, [token])
             inference.first_token_at = inference.first_token_at or now
             touched.append(inference)
         for row, entries in tokens.logprobs:
@@ -365,8 +365,7 @@ class EngineClient:
             return
         inference = completions[ended.index]
         seq = inference.seq
-        for token in ended.ids:  # not streamed: what followed its first token
-            _append(inference, token)
+        _append(inference, ended.ids)  # not streamed: what followed its first token
         seq.logprobs += _logprobs(ended.logprobs)
         seq.status, seq.finish_reason = Status.FINISHED, ended.finish_reason
         seq.num_cached_prompt_tokens = ended.num_cached_prompt_tokens
@@ -407,13 +406,20 @@ def _stream(touched: list[Inference]) -> None:
             inference.stream(finished=False)
 
 
-def _append(inference: Inference, token: int) -> None:
-    """A token to its completion's sequence, and its text (stop strings are the engine's to find, as it decides
-    every end; the same text stream finds them here at the same token)."""
-    seq = inference.seq
-    seq.token_ids.append(token)
-    if inference.text is not None and not _ends_unseen(seq, token):
-        inference.text.push(token, seq.num_generated >= seq.params.min_tokens)
+def _append(inference: Inference, tokens: list[int]) -> None:
+    """Tokens to their completion's sequence, and their text (stop strings are the engine's to find, as it decides
+    every end; the same text stream finds them here at the same token). Only the last can end it unseen."""
+    seq, text = inference.seq, inference.text
+    before = seq.num_generated
+    seq.token_ids += tokens
+    if text is None or not tokens:
+        return
+    seen = tokens[:-1] if _ends_unseen(seq, tokens[-1]) else tokens
+    if not text.stop_strings:
+        text.push_many(seen)  # one decode: no stop string's min_tokens to heed token by token
+        return
+    for generated, token in enumerate(seen, before + 1):
+        text.push(token, generated >= seq.params.min_tokens)
 
 
 def _ends_unseen(seq: Sequence, token: int) -> bool:

@@ -77,6 +77,14 @@ class TextStream:
             return ""
         return self._release(self._utf8.decode(self._tokenizer.decode_single_token_bytes(token_id)), may_stop)
 
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        """push() of several tokens in one decode (a completion's tokens that come together): only where no stop
+        string is looked for, which push() does token by token, each at its own min_tokens."""
+        assert not self._stop, "stop strings are looked for token by token"
+        if self.stopped:
+            return ""
+        return self._release(self._utf8.decode(self._tokenizer.decode_bytes(token_ids)), False)
+
     def finish(self) -> str:
         """Release everything still held: the sequence has ended (its end was decided already)."""
         if self.stopped:
@@ -96,7 +104,7 @@ class TextStream:
         stop string completed by it (and stop), else all but the longest tail that begins one."""
         self._held += new
         cut = None
-        for i, char in enumerate(new, len(self._held) - len(new) + 1):  # i: the held length up to this char
+        for i, char in enumerate(new if self._stop else "", len(self._held) - len(new) + 1):  # i: the held length
             for matcher in self._stop:
                 if matcher.read(char) and search:
                     cut = min(i - len(matcher.stop), i if cut is None else cut)

@@ -24,6 +24,15 @@ def test_characters_split_across_tokens_are_emitted_whole():
     assert all(_valid(p.encode()) and "\ufffd" not in p for p in pieces)
 
 
+def test_tokens_pushed_together_release_what_they_release_one_by_one():
+    ids = TOKENIZER.encode("日本語 🦙🚀 ok")
+    cut = next(i for i, t in enumerate(ids) if not _valid(TOKENIZER.decode_single_token_bytes(t))) + 1
+    together = TextStream(TOKENIZER)
+    first = together.push_many(ids[:cut])  # ends inside a character: held until its last byte comes
+    assert "\ufffd" not in first and first == TOKENIZER.decode(ids[:cut]).rstrip("\ufffd")
+    assert first + together.push_many(ids[cut:]) + together.finish() == together.text == "日本語 🦙🚀 ok"
+
+
 def _valid(data: bytes) -> bool:
     try:
         data.decode("utf-8")
