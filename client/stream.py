@@ -5,9 +5,10 @@ text events; the token counts come from the usage event the server sends last. N
 (stream=False), a request has its latency and its usage's counts, and no TTFT.
 """
 
-import json
 import time
 from typing import Any
+
+from msgspec.json import decode as decode_json
 
 from client.aio_http import HttpError, post
 from client.client import RequestFailed, error_text
@@ -70,7 +71,7 @@ async def _read(url: str, body: dict[str, Any], timeout: float) -> tuple[list[fl
             async for arrived, data in response.events():
                 if not data.startswith(b"{"):
                     continue  # the closing [DONE]
-                event = json.loads(data)
+                event = decode_json(data)  # msgspec's: a fifth of json.loads's time on a token's event
                 if "error" in event:
                     raise RequestFailed(f"{event['error']['type']}: {event['error']['message']}")
                 if event["choices"] and event["choices"][0]["text"]:
