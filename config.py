@@ -51,6 +51,9 @@ class EngineSettings:
     # structured output: objects in a JSON schema that declare properties and say nothing of others admit
     # only those (as vLLM's default engines do; generate/closed_objects.py); true: the spec's open objects
     structured_open_objects: bool = False
+    # structured output: tokens a constraint forces are appended with the token drawn before them and computed in
+    # the next step, not drawn one step each (generate/engine.py, _jump_forward); the same tokens either way
+    jump_forward: bool = True
     # Overload (docs/operations.md, "Priorities that preempt"): a request's priority level is worth this many
     # seconds of waiting (0: strict priority, which can starve); generate/priority.py
     priority_aging_s: float = 10.0

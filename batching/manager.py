@@ -300,8 +300,10 @@ class BatchingManager:
         if not results:
             return []
         news = StepNews(self.engine.step_log.last, began, active=self._active.values(), queued=self._num_incoming)
-        for seq, token in results:
-            self._deliver(self._active[seq.seq_id], token, seq.status is Status.FINISHED, news)
+        for row, (seq, token) in enumerate(results):
+            # a sequence's tokens forced by its grammar follow its drawn one (generate/engine.py): it ends with its last
+            last = row + 1 == len(results) or results[row + 1][0] is not seq
+            self._deliver(self._active[seq.seq_id], token, last and seq.status is Status.FINISHED, news)
         self.observer.on_step(news)  # all the step measured, in one call (batching/telemetry/observer.py)
         for inference in news.finished:
             del self._active[inference.seq.seq_id]

@@ -1,13 +1,15 @@
 """Structured output's cost: 32 requests under a JSON-schema (or regex) constraint against the same 32 without.
 
-Both runs sample at temperature 1 with the same seeds and ignore end-of-text, and the schema (an array of at
-least 20 objects) or the regex (at least 40 lines) cannot end within the new tokens, so both generate exactly
-requests x new-tokens tokens and
-the only difference is the masks: filled each step by one batched llguidance call on a worker thread while the
-forward pass runs, then applied in the sampler. Runs alternate (free, constrained, free, constrained, ...) so
-that load from other processes falls on both alike.
+Both runs sample at temperature 1 with the same seeds and ignore end-of-text, and the schema (an array of at least
+20 objects) or the regex (at least 40 lines) cannot end within the new tokens, so both generate exactly requests x
+new-tokens tokens and the only difference is the masks (and, with JUMP_FORWARD, the steps they save): filled each
+step by one batched llguidance call on a worker thread while the forward pass runs, then applied in the sampler.
+Runs alternate (free, constrained, free, constrained, ...) so that load from other processes falls on both alike.
 
-Prints tokens/s of each run and their ratio, the step stages (forward, mask wait, sample), the mean mask-fill
+With JUMP_FORWARD (the engine's default) the tokens a grammar forces are appended with the token drawn before them
+and computed in the next step, so a constrained run takes fewer steps than tokens; --no-jump-forward draws each.
+
+Prints tokens/s and steps of each run and their ratio, the step stages (forward, mask wait, sample), the mean mask-fill
 time per step, and a projection for a GPU whose decode step takes --gpu-step-ms: the fill overlaps the forward
 pass, so a step pays only the part of the fill longer than the step.
 
@@ -68,18 +70,21 @@ def run(engine: Engine, prompts: list[list[int]], new_tokens: int, constraint: C
     ]
     first_step, before = engine.num_steps, engine.grammar.stats.fill_s
     masked_before = engine.grammar.stats.steps
-    start = time.perf_counter()
+    start, first_decode = time.perf_counter(), None
     for seq in seqs:
         engine.add(seq)
     while engine.has_work():
         engine.step()
+        if first_decode is None and all(s.num_generated for s in seqs):
+            first_decode = engine.num_steps + 1  # (a step computing forced tokens counts its rows as prefills)
     duration = time.perf_counter() - start
     assert all(s.num_generated == new_tokens for s in seqs), "every sequence runs to its length"
-    decodes = [r for r in engine.step_log.since(first_step) if not r.num_prefills]
-    stage = lambda name: statistics.mean(r.stages.get(name, 0.0) for r in decodes)
+    decodes = [r for r in engine.step_log.since(first_step) if r.index >= first_decode]
+    stage = lambda name: statistics.mean([r.stages.get(name, 0.0) for r in decodes] or [0.0])  # none: a short run
     masked_steps = engine.grammar.stats.steps - masked_before
     return {
         "tokens_per_s": len(seqs) * new_tokens / duration,
+        "steps": engine.num_steps - first_step,
         "forward_ms": 1000 * stage("forward"),
         "mask_ms": 1000 * stage("mask"),
         "sample_ms": 1000 * stage("sample"),
@@ -97,10 +102,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="pairs of runs (free, constrained)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
     parser.add_argument("--gpu-step-ms", type=float, default=2.0)
+    parser.add_argument(
+        "--no-jump-forward", dest="jump_forward", action="store_false", help="draw every token (JUMP_FORWARD=off)"
+    )
     args = parser.parse_args()
     spec = args.model if os.path.isdir(args.model) else f"random:{args.model}"
     # as the server builds it (its products, glibc told to keep what a step frees), in float32, on the CPU
-    settings = EngineSettings(model=spec, device="cpu", dtype="float32", kv_cache_gb=args.kv_cache_gb)
+    settings = EngineSettings(
+        model=spec, device="cpu", dtype="float32", kv_cache_gb=args.kv_cache_gb, jump_forward=args.jump_forward
+    )
     engine = Engine.from_settings(settings)
     rng = random.Random(0)
     prompts = [[rng.randrange(50256) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
@@ -108,7 +118,7 @@ def main() -> None:
         f"{engine.model_name} on CPU ({torch.get_num_threads()} threads), {args.requests} requests at once, "
         f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, temperature 1; means over decode steps"
     )
-    print(f"{'run':<14}{'tok/s':>8}{'forward ms':>12}{'mask ms':>9}{'sample ms':>11}{'fill ms':>9}")
+    print(f"{'run':<14}{'tok/s':>8}{'steps':>7}{'forward ms':>12}{'mask ms':>9}{'sample ms':>11}{'fill ms':>9}")
     results: dict[bool, list[dict]] = {False: [], True: []}
     constraint = CONSTRAINTS[args.kind]
     run(engine, prompts[:2], 4, constraint)  # warm up: the first mask fills build the lexer's tables
@@ -118,7 +128,7 @@ def main() -> None:
             results[constrained].append(r)
             name = args.kind if constrained else "unconstrained"
             print(
-                f"{name:<14}{r['tokens_per_s']:>8.1f}{r['forward_ms']:>12.1f}{r['mask_ms']:>9.2f}"
+                f"{name:<14}{r['tokens_per_s']:>8.1f}{r['steps']:>7}{r['forward_ms']:>12.1f}{r['mask_ms']:>9.2f}"
                 f"{r['sample_ms']:>11.2f}{r['fill_ms']:>9.2f}"
             )
     mean = lambda constrained, key: statistics.mean(r[key] for r in results[constrained])

@@ -227,14 +227,19 @@ class Engine:
     def _retire(
         self, seqs: list[Sequence], tokens: list[int | None], record: StepRecord, clock: StageClock
     ) -> list[StepResult]:
-        """A computed step's bookkeeping: what is in the cache, the tokens appended, finished sequences out."""
-        for seq, token in zip(seqs, tokens):
+        """A computed step's bookkeeping: what is in the cache, the tokens appended, finished sequences out. A
+        constrained sequence's drawn token may be followed by tokens its grammar forces (`_jump_forward`): each is a
+        result of its own, after the drawn one."""
+        forced: dict[int, list[int]] = {}
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
             assert (token is not None) == seq.samples_this_step
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.blocks.commit(seq, seq.num_computed_tokens)
             if token is not None:
                 seq.append(token)  # which decides whether the sequence ends here
+                if seq.matcher is not None and (appended := self._jump_forward(seq)):
+                    forced[row] = appended
             elif seq.prompt_only and seq.num_computed_tokens == seq.num_prompt_tokens:
                 seq.end("length")  # nothing to generate: its prompt's log-probabilities were the point
             if seq.status is Status.FINISHED:
@@ -244,7 +249,33 @@ class Engine:
         record.duration_s = clock.elapsed()
         self.step_log.append(record)  # once computed: a launched step's record waits for its tokens
         # tuple.__new__ itself, not the NamedTuple's __new__ (a Python call a row, a twentieth of the loop's time)
-        return list(map(tuple.__new__, repeat(StepResult), zip(seqs, tokens)))
+        results = list(map(tuple.__new__, repeat(StepResult), zip(seqs, tokens)))
+        if forced:
+            spliced = []
+            for row, drawn in enumerate(results):
+                spliced.append(drawn)
+                spliced += [StepResult(drawn.seq, token) for token in forced.get(row, ())]
+            results = spliced
+        return results
+
+    def _jump_forward(self, seq: Sequence) -> list[int]:
+        """Append the tokens the sequence's grammar forces next (JUMP_FORWARD), as SGLang's jump-forward decoding:
+        each is the only token its mask would allow (llguidance's fast-forward tokens), so a step that drew it
+        would draw the same, and the next step computes them with the next draw, as a prompt chunk. Appended one
+        by one, each can end the sequence as a drawn one does (its length, a stop string). Not where the request
+        wants log-probabilities (a forced token has none) or biases logits (which could forbid a forced token)."""
+        params = seq.params
+        if not self.settings.jump_forward or seq.status is not Status.RUNNING:
+            return []
+        if params.logprobs is not None or params.logit_bias:
+            return []
+        appended = []
+        for token in seq.matcher.compute_ff_tokens():
+            if seq.status is not Status.RUNNING:
+                break
+            seq.append(token)
+            appended.append(token)
+        return appended
 
     def _record(self, seqs: list[Sequence], clock: StageClock) -> StepRecord:
         self.num_steps += 1

@@ -130,9 +130,11 @@ class BlockManager:
 
     def append_slot(self, seq: SequenceBlocks, num_tokens: int | None = None) -> None:
         """Make room for the sequence's last token, taking a new block at a block boundary: the last of its token
-        list, or its `num_tokens`-th, which may lie one past the list (a slot needs a count, not the token)."""
+        list, or its `num_tokens`-th, which may lie one past the list (a slot needs a count, not the token). Tokens
+        a grammar forced after the last one drawn may need more than one block (generate/engine.py's jump-forward);
+        the blocks taken before the pool ran out are kept."""
         needed = self.blocks_for(len(seq.token_ids) if num_tokens is None else num_tokens)
-        if len(seq.block_table) < needed:
+        while len(seq.block_table) < needed:
             if not self.num_free_blocks:
                 raise KVCacheExhausted("no free block for a decoding sequence")
             seq.block_table.append(self._take_next(seq.block_table[-1] + 1) if seq.block_table else self._take_free())

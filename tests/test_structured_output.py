@@ -11,14 +11,17 @@ import types
 
 import jsonschema
 import lark
+import llguidance
+import llguidance.torch
 import pytest
+import torch
 from conftest import random_prompts
 from test_model import make_engine, run_checked
 
 from batching.text_stream import TextStream
 from config import EngineSettings
 from generate.constraint_compiler import ConstraintCompiler
-from generate.constraints import Constraint, ConstraintError
+from generate.constraints import VOCAB_SIZE, Constraint, ConstraintError
 from generate.sequence import SamplingParams, Sequence
 from model.tokenizer import EOT_ID, load_tokenizer
 
@@ -188,6 +191,66 @@ def test_stop_string_cuts_a_constrained_output(tiny_checkpoint):
     ]
     run_checked(engine, seqs)
     assert all(s.finish_reason == "stop" and s.stop.text in ("alpha", "delta") for s in seqs)
+
+
+def masked_greedy(hf_model, prompt: list[int], constraint: Constraint, max_tokens: int) -> list[int]:
+    """The reference: transformers' logits over the whole sequence at every token, the best token the constraint's
+    mask allows, fed to the constraint; until its grammar ends or max_tokens."""
+    matcher, bitmask = compile_constraint(constraint).matcher(), llguidance.torch.allocate_token_bitmask(1, VOCAB_SIZE)
+    ids, out = list(prompt), []
+    while len(out) < max_tokens:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids])).logits[0, -1, :VOCAB_SIZE]
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        allowed = (bitmask[0].view(-1, 1) >> torch.arange(32)) & 1  # [V / 32, 32]: bit t of word w is token 32w + t
+        token = int(torch.where(allowed.flatten()[:VOCAB_SIZE] == 1, logits, -torch.inf).argmax())
+        assert matcher.consume_token(token)
+        ids.append(token)
+        out.append(token)
+        if matcher.is_stopped():
+            break
+    return out
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_tokens_the_grammar_forces_are_those_masked_greedy_draws(tiny_checkpoint, hf_model, jump_forward):
+    """JUMP_FORWARD appends the tokens a grammar forces with the token drawn before them and computes them in
+    the next step: the same tokens as transformers' masked greedy, in fewer steps than tokens (one drawn a step,
+    off). A length cut inside a forced run ends there."""
+    engine = make_engine(tiny_checkpoint, max_batch_tokens=64, jump_forward=jump_forward)
+    constraints = [CASES["json_schema"][0], CASES["regex"][0], Constraint("regex", "ab?cdefghijklmnop[0-9]")]
+    lengths = [MAX_TOKENS, MAX_TOKENS, 4]
+    prompts = random_prompts([9, 12, 6], seed=21)
+    seqs = [
+        Sequence(list(p), SamplingParams(max_tokens=n, temperature=0, constraint=compile_constraint(c)))
+        for p, c, n in zip(prompts, constraints, lengths, strict=True)
+    ]
+    run_checked(engine, seqs)
+    assert [s.completion_ids for s in seqs] == [
+        masked_greedy(hf_model, p, c, n) for p, c, n in zip(prompts, constraints, lengths, strict=True)
+    ]
+    assert seqs[2].finish_reason == "length" and seqs[2].num_generated == 4
+    longest = max(s.num_generated for s in seqs)
+    assert engine.num_steps < longest if jump_forward else engine.num_steps == longest
+
+
+def test_forced_tokens_keep_seeded_draws_and_their_log_probabilities(tiny_checkpoint):
+    """A seeded draw is keyed by its position, so the tokens drawn after a forced run are those drawn one a step;
+    a request that wants log-probabilities has each token drawn (a forced one would have none)."""
+
+    def run(jump_forward: bool, **sampling) -> tuple[list[list[int]], int]:
+        engine = make_engine(tiny_checkpoint, max_batch_tokens=64, jump_forward=jump_forward)
+        groups = [
+            constrained_group(p, CASES[name][0], n=2, seed=30 + k, temperature=1.0, **sampling)
+            for k, (name, p) in enumerate(zip(("json_schema", "regex"), random_prompts([8, 10], seed=22)))
+        ]
+        run_checked(engine, [s for group in groups for s in group])
+        return [s.completion_ids for group in groups for s in group], engine.num_steps
+
+    (jumped, jumped_steps), (drawn, drawn_steps) = run(True), run(False)
+    assert jumped == drawn and jumped_steps < drawn_steps
+    with_logprobs, steps = run(True, logprobs=1)
+    assert with_logprobs == drawn and steps == drawn_steps
 
 
 def test_end_of_text_only_where_the_grammar_may_end(tiny_checkpoint):
