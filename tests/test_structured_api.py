@@ -337,6 +337,41 @@ def test_auto_constrains_the_call_once_the_reply_writes_the_opener(one_token_ope
 # --- the batch, equivalence, refusals -------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def drawing_url(tiny_checkpoint, tmp_path_factory):
+    """A server that draws every token (JUMP_FORWARD=off); the shared one appends the tokens a grammar forces."""
+    from client.launch import running_server
+
+    settings = {"MODEL": str(tiny_checkpoint), "KV_CACHE_BLOCKS": "4096", "JUMP_FORWARD": "off"}
+    with running_server("dynamic", tmp_path_factory.mktemp("drawing"), **settings) as url:
+        yield url
+
+
+def test_forced_tokens_come_with_the_token_before_them_and_change_no_output(url, drawing_url, model):
+    """The same greedy output, whole and streamed, whether the grammar's forced tokens are drawn a step each or
+    appended with the token before them; appended, a forced run streams in one event with that token."""
+
+    def answer(base: str, stream: bool) -> tuple[str, int]:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 100, "temperature": 0, "stream": stream}
+        response = requests.post(
+            f"{base}/v1/completions", json=body | {"guided_json": SCHEMAS["nested objects"]}, stream=stream, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        if not stream:
+            answered = response.json()
+            return answered["choices"][0]["text"], answered["usage"]["completion_tokens"]
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith(b"data: {")]
+        texts = [event["choices"][0]["text"] for event in events if event["choices"]]
+        return "".join(texts), sum(1 for text in texts if text)
+
+    (jumped, tokens), (drawn, drawn_tokens) = answer(url, False), answer(drawing_url, False)
+    assert jumped == drawn and tokens == drawn_tokens
+    jsonschema.validate(json.loads(jumped), SCHEMAS["nested objects"])
+    (streamed, events), (streamed_drawn, drawn_events) = answer(url, True), answer(drawing_url, True)
+    assert streamed == streamed_drawn == jumped
+    assert events < drawn_events
+
+
 def test_greedy_output_is_unchanged_beside_constrained_requests(url, client, model, hf_greedy):
     """Two long constrained streams are running (their first chunks came) while a greedy unconstrained request is
     answered: its tokens equal transformers' alone, and the loop's step records show the three in one batch."""
