@@ -104,7 +104,7 @@ class TextStream:
         stop string completed by it (and stop), else all but the longest tail that begins one."""
         self._held += new
         cut = None
-        for i, char in enumerate(new if self._stop else "", len(self._held) - len(new) + 1):  # i: the held length
+        for i, char in enumerate(new, len(self._held) - len(new) + 1):  # i: the held length up to this char
             for matcher in self._stop:
                 if matcher.read(char) and search:
                     cut = min(i - len(matcher.stop), i if cut is None else cut)
