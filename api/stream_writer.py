@@ -106,12 +106,9 @@ class StreamWriter:
         try:
             if out.expired and not events.ended:
                 out.pending += _framed(events.timed_out())
-            while not events.ended:
-                try:
-                    chunk = events.chunks.queue.get_nowait()
-                except queue.Empty:
-                    break
-                out.pending += _framed(events.take(chunk))
+            chunks = events.chunks.queue
+            while not events.ended and not chunks.empty():  # this thread alone takes from it: no raised Empty
+                out.pending += _framed(events.take(chunks.get_nowait()))
             while out.pending:
                 sent = out.sock.send(out.pending, socket.MSG_DONTWAIT)
                 del out.pending[:sent]

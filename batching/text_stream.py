@@ -102,6 +102,9 @@ class TextStream:
     def _release(self, new: str, search: bool) -> str:
         """Hold the new text, then release what can no longer be part of a stop string: up to the earliest
         stop string completed by it (and stop), else all but the longest tail that begins one."""
+        if not self._stop:  # nothing is ever held: a streamed token's text costs no walk over its characters
+            self.text += new
+            return new
         self._held += new
         cut = None
         for i, char in enumerate(new, len(self._held) - len(new) + 1):  # i: the held length up to this char
