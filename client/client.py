@@ -24,6 +24,7 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import requests  # noqa: E402
+import uvloop  # noqa: E402
 from dotenv import load_dotenv  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -115,12 +116,12 @@ def run_load(
 
     Without `max_concurrency` every request is sent at its time, so arrivals never queue in the client. With it,
     requests beyond the cap wait for a free slot and their latency counts from when they are actually sent. A
-    coroutine function `send` runs every request on one event loop in this thread (client/aio_http.py says why),
-    another in a thread per request.
+    coroutine function `send` runs every request on one event loop in this thread (client/aio_http.py says why;
+    uvloop's, whose reads and callbacks run in C), another in a thread per request.
     """
     with tqdm(total=len(items), unit="req") as progress:
         if inspect.iscoroutinefunction(send):
-            return asyncio.run(_run_on_loop(send, items, offsets, max_concurrency, progress))
+            return uvloop.run(_run_on_loop(send, items, offsets, max_concurrency, progress))
         return _run_in_threads(send, items, offsets, max_concurrency, progress)
 
 
