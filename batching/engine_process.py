@@ -8,11 +8,10 @@ In this process the BatchingManager runs exactly as it does in one process: its 
 and owns every torch op. Each request is rebuilt here as its Inferences; one with stop strings gets a text stream
 to find them, so the loop decides every end as before. Text is the front ends' to make: after each step the loop
 hands its rows' token ids to flush(), which makes one Tokens message (columns of numbers) per front end, followed
-by the Ended of whatever ended, and pushes it on the loop's own socket to that front end (ZMQ's I/O thread writes
-it). Two more threads, each blocked in ZMQ or a queue (which lets the interpreter go) when idle: the main thread
-takes the front ends' messages; the sender ships the answers to them (Ready, Ack, Reply) and the Status. No request
-thread shares this interpreter: a streamed token costs the loop a few list appends here; its text, JSON and socket
-write are the front end's.
+by the Ended of whatever ended. Two more threads, each blocked in ZMQ (which lets the interpreter go) when idle:
+the main thread takes the front ends' messages; the sender ships everything ready for a front end as one message
+while the loop runs the next step. No request thread shares this interpreter: a streamed token costs the loop a
+few list appends here; its text, JSON and socket write are the front end's.
 
 It exits when the front end that started it sends Stop (after SHUTDOWN_GRACE_S's drain) or when the process that
 started it is gone (PR_SET_PDEATHSIG where Linux has it, and a watch on the parent's id). A front end that is
@@ -76,7 +75,7 @@ def run(
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.bind(f"ipc://{directory}/in")
-    core = EngineCore(directory, restarts, context)
+    core = EngineCore(directory, restarts)
     try:
         manager = BatchingManager(build_engine, settings, settled=core.flush)
     except Exception as err:  # noqa: BLE001 - a bad model or setting: the keeper says why
@@ -180,14 +179,12 @@ class EngineKeeper:
 class EngineCore:
     """The front ends' requests, as Inferences in this process's manager; their outputs, as messages to each."""
 
-    def __init__(self, directory: str, restarts: int, context: zmq.Context | None = None):
-        self.directory, self.restarts, self.context = directory, restarts, context
+    def __init__(self, directory: str, restarts: int):
+        self.directory, self.restarts = directory, restarts
         self.tokenizer = load_tokenizer()
         # lists of (front end, FromEngine message, or None: forget that front end); None: the last has been queued
         self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self.ended: list[tuple[int, wire.Ended]] = []  # the loop's, since it last settled (its thread alone)
-        self.step_sockets: dict[int, zmq.Socket] = {}  # the loop's own, by front end (its thread alone)
-        self.step_encoder = msgspec.msgpack.Encoder()
         # by front end and its request id, until every completion is answered
         self.requests: dict[tuple[int, int], list[Inference]] = {}
         self.clients: dict[int, int] = {}  # each front end's pidfd, by its process id (the main thread's)
@@ -220,35 +217,9 @@ class EngineCore:
                 out.logprobs.append((row, [seq.logprobs[position]]))
             if position == 0 and seq.params.prompt_logprobs is not None:
                 out.prompt_logprobs.append((row, seq.prompt_logprobs))
-        if not (columns or self.ended):
-            return
-        if self.context is None:  # no sockets (a loop run alone, in tests): queued for whoever reads `outgoing`
+        if columns or self.ended:
             self.outgoing.put([*columns.items(), *self.ended])
-        else:
-            batches: dict[int, list] = {client: [tokens] for client, tokens in columns.items()}
-            for client, ended in self.ended:
-                batches.setdefault(client, []).append(ended)
-            self._send_steps(batches)
-        self.ended = []
-
-    def _send_steps(self, batches: dict[int, list]) -> None:
-        """A step's messages, one to each front end, from the loop's thread on its own sockets (encoding and pushing
-        them: ~2 µs). Handed to the sender thread instead, they cost the loop far more than that: the sender, woken
-        at each step, took the interpreter lock whenever the loop released it in a torch op, and the loop slept until
-        it had it back (in a 64-stream burst on a 2-vCPU Xeon, 175 such sleeps of 1 ms on average, over 134 steps).
-        A front end that is gone has its socket closed, and what would be its share dropped."""
-        sockets = self.step_sockets
-        for client in [c for c in sockets if c not in self.clients]:  # gone: what is left for it is dropped
-            sockets.pop(client).close(linger=0)
-        for client, batch in batches.items():
-            if client not in self.clients:
-                continue
-            socket = sockets.get(client)
-            if socket is None:
-                socket = sockets[client] = self.context.socket(zmq.PUSH)
-                socket.setsockopt(zmq.SNDHWM, 0)
-                socket.connect(f"ipc://{self.directory}/out-{client}")
-            socket.send(self.step_encoder.encode(batch))
+            self.ended = []
 
     def ready_message(self) -> wire.Ready:
         engine = self.engine
@@ -384,9 +355,8 @@ class EngineCore:
             return wire.Reply(call.cid, None, (type(err).__name__, str(err)))
 
     def send_all(self, context: zmq.Context) -> None:
-        """The sender thread: everything queued when it wakes (all but the loop's step messages, where the loop has
-        sockets of its own), one message to each front end it is for. A front end's socket is opened by its Ready
-        and closed when it is gone; what is still queued for it is dropped."""
+        """The sender thread: everything queued when it wakes, one message to each front end it is for. A front
+        end's socket is opened by its Ready and closed when it is gone; what is still queued for it is dropped."""
         encoder = msgspec.msgpack.Encoder()
         sockets: dict[int, zmq.Socket] = {}
         while True:
