@@ -6,7 +6,9 @@ a rerun converts nothing. Every system gets the same greedy requests (random tok
 end-of-text ignored), all at once and then arriving about one a second, streamed (or whole: --no-stream); runs
 alternate (ours, vllm, llama f16, ours, ...) --repeats times. Each is measured for output tokens/s, TTFT and
 inter-token latency, the peak memory of its whole process tree, the cores it kept busy, and how many greedy outputs
-equal this server's. Results go to --out as results.json and report.md, with the CPU and its flags. The system
+equal this server's. Results go to --out as results.json and report.md, with the CPU and its flags; the report's
+summary has each system against this server round by round too (least, most, spread), which on a machine that
+drifts says more than the ratio of the means. The system
 `offline` is this server's own engine without the server (benchmarks/offline_engine.py: LLM.generate over all the
 requests, in a fresh process, with the server's settings): the server against it is what the server's own path
 costs; it runs the all-at-once shape only.

@@ -2,7 +2,7 @@
 
 import os
 from pathlib import Path
-from statistics import mean
+from statistics import mean, stdev
 from typing import Any
 
 from benchmarks import llama_server, vllm_server
@@ -44,7 +44,16 @@ def summary_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
     """One row per load shape and system, averaged over its rounds; equal outputs against this server's first run
     of the shape (for this server: its later rounds against its first). Others' cores are what else kept the
     machine busy meanwhile: on a shared machine, the column that says which figures compare."""
-    header = ["shape", "system", "rounds", "out tok/s", f"vs {REFERENCE}", "TTFT p50 ms", "TTFT p99 ms"]
+    header = [
+        "shape",
+        "system",
+        "rounds",
+        "out tok/s",
+        f"vs {REFERENCE}",
+        "round by round",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+    ]
     header += ["ITL p50 ms", "ITL p99 ms", "peak PSS MiB", "peak RSS MiB", "server cores", "others' cores", "ok"]
     header.append(f"outputs = {REFERENCE}")
     rows = []
@@ -52,10 +61,26 @@ def summary_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         of_shape = [run for run in runs if run["shape"] == shape]
         reference = [run for run in of_shape if run["system"] == REFERENCE]
         base_tps = mean(r["summary"]["output_tokens_per_s"] for r in reference) if reference else None
+        by_round = {r.get("repeat"): r["summary"]["output_tokens_per_s"] for r in reference}
         for system in dict.fromkeys(run["system"] for run in of_shape):
             group = [run for run in of_shape if run["system"] == system]
-            rows.append([shape, system, *_cells(group, base_tps, reference[0] if reference else None)])
+            cells = _cells(group, base_tps, reference[0] if reference else None)
+            rows.append([shape, system, *cells[:3], _by_round(group, by_round, system), *cells[3:]])
     return header, rows
+
+
+def _by_round(group: list[dict[str, Any]], reference_tps: dict[Any, float], system: str) -> str:
+    """The system's throughput against this server's in the same round (the runs alternate, so each pair shares
+    its hour): the least and the most of these ratios and their spread, which say more than the ratio of the
+    means on a machine that drifts."""
+    ratios = [
+        r["summary"]["output_tokens_per_s"] / reference_tps[r["repeat"]]
+        for r in group
+        if system != REFERENCE and r.get("repeat") is not None and reference_tps.get(r["repeat"])
+    ]
+    if len(ratios) < 2:
+        return f"{ratios[0]:.2f}x" if ratios else "-"
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x (sd {stdev(ratios):.3f})"
 
 
 def _cells(group: list[dict[str, Any]], base_tps: float | None, reference: dict[str, Any] | None) -> list[str]:

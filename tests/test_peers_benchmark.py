@@ -1,5 +1,6 @@
 """The peers comparison's parts that need no peer: the tokenizer files llama.cpp's converter and vLLM read, the
-requests, the greedy agreement, the memory of a process tree, and the errors when a peer is missing."""
+requests, the greedy agreement, the summary's rounds, the memory of a process tree, and the errors when a peer is
+missing."""
 
 import json
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 
 from benchmarks.gguf_files import tokenizer_files, write_tokenizer_json
 from benchmarks.peers import main, parse_args, requests_for, workload
-from benchmarks.peers_report import same_outputs
+from benchmarks.peers_report import same_outputs, summary_rows
 from client import memory
 from client.memory import PeakMemory, tree_memory_kb
 from model.tokenizer import EOT_ID, load_tokenizer
@@ -111,6 +112,26 @@ def test_outputs_agree_when_only_broken_characters_are_rendered_differently():
     ours = _run(["abc", "x\ufffdy", "tail\ufffd", "same", None])
     theirs = _run(["abc", "x\ufffd\ufffdy", "tail", "different", "failed on our side"])
     assert same_outputs(ours, theirs) == 3
+
+
+def test_each_round_compares_the_systems_that_ran_in_it():
+    """The summary's round-by-round column: each system's throughput over this server's in the same round (the
+    runs alternate), least and most, with their spread; this server's own row has none."""
+    from statistics import stdev
+
+    def run(system: str, repeat: int, tok_s: float) -> dict:
+        summary = {"output_tokens_per_s": tok_s, "ttft_ms": None, "itl_ms": None, "requests_ok": 1}
+        return {"shape": "burst", "system": system, "repeat": repeat, "summary": summary, **_run(["a"])}
+
+    # the engine alone is faster in every round by a different amount; the means alone would hide which
+    runs = [run("offline", 1, 120.0), run("ours", 1, 100.0), run("offline", 2, 99.0), run("ours", 2, 90.0)]
+    runs += [run("offline", 3, 126.0), run("ours", 3, 105.0)]
+    header, rows = summary_rows(runs)
+    column = header.index("round by round")
+    by_system = {row[1]: row[column] for row in rows}
+    assert by_system == {"offline": f"1.10-1.20x (sd {stdev([1.2, 1.1, 1.2]):.3f})", "ours": "-"}
+    one_round = summary_rows(runs[:2])[1]
+    assert {row[1]: row[column] for row in one_round} == {"offline": "1.20x", "ours": "-"}
 
 
 # Holds about 200 MiB in a child of the process the sampler watches, says so, then waits for stdin to close.
