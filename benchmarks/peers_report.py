@@ -64,26 +64,29 @@ def summary_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         by_round = {r.get("repeat"): r["summary"]["output_tokens_per_s"] for r in reference}
         for system in dict.fromkeys(run["system"] for run in of_shape):
             group = [run for run in of_shape if run["system"] == system]
-            cells = _cells(group, base_tps, reference[0] if reference else None)
-            rows.append([shape, system, *cells[:3], _by_round(group, by_round, system), *cells[3:]])
+            rows.append([shape, system, *_cells(group, base_tps, reference[0] if reference else None, by_round)])
     return header, rows
 
 
-def _by_round(group: list[dict[str, Any]], reference_tps: dict[Any, float], system: str) -> str:
+def _by_round(group: list[dict[str, Any]], reference_tps: dict[Any, float]) -> str:
     """The system's throughput against this server's in the same round (the runs alternate, so each pair shares
     its hour): the least and the most of these ratios and their spread, which say more than the ratio of the
     means on a machine that drifts."""
+    if group[0]["system"] == REFERENCE:
+        return "-"
     ratios = [
         r["summary"]["output_tokens_per_s"] / reference_tps[r["repeat"]]
         for r in group
-        if system != REFERENCE and r.get("repeat") is not None and reference_tps.get(r["repeat"])
+        if r.get("repeat") is not None and reference_tps.get(r["repeat"])
     ]
     if len(ratios) < 2:
         return f"{ratios[0]:.2f}x" if ratios else "-"
     return f"{min(ratios):.2f}-{max(ratios):.2f}x (sd {stdev(ratios):.3f})"
 
 
-def _cells(group: list[dict[str, Any]], base_tps: float | None, reference: dict[str, Any] | None) -> list[str]:
+def _cells(
+    group: list[dict[str, Any]], base_tps: float | None, reference: dict[str, Any] | None, by_round: dict[Any, float]
+) -> list[str]:
     measured = lambda key: [r["summary"][key] for r in group if r["summary"][key]]
     average = lambda key, q: mean(stats[q] for stats in measured(key)) if measured(key) else None
     fmt = lambda value, spec=".1f": "-" if value is None else format(value, spec)
@@ -97,6 +100,7 @@ def _cells(group: list[dict[str, Any]], base_tps: float | None, reference: dict[
         str(len(group)),
         fmt(tps),
         f"{tps / base_tps:.2f}x" if base_tps else "-",
+        _by_round(group, by_round),
         fmt(average("ttft_ms", "p50")),
         fmt(average("ttft_ms", "p99")),
         fmt(average("itl_ms", "p50")),
