@@ -135,7 +135,10 @@ async def _run_on_loop(
     slots = asyncio.Semaphore(max_concurrency or max(len(items), 1))
 
     async def timed_send(item: T, offset: float) -> RequestResult:
-        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))  # paces the arrivals
+        # paces the arrivals; again while short of the time: uvloop's timers count whole milliseconds of its own
+        # clock, so one may fire a fraction of a millisecond early by this one
+        while (wait := start + offset - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
         async with slots:
             sent_s = time.perf_counter() - start
             result = (await send(item))._replace(sent_s=sent_s)
