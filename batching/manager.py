@@ -52,16 +52,24 @@ class NotServing(Exception):
 
 
 class BatchingManager:
-    def __init__(self, build_engine: Callable[[], Engine], settings: Settings, settled: Settled | None = None):
+    def __init__(
+        self,
+        build_engine: Callable[[], Engine],
+        settings: Settings,
+        settled: Settled | None = None,
+        before_forward: Callable[[], None] | None = None,
+    ):
         """Builds the engine with `build_engine` on the loop's thread (its errors raised here); the loop
         runs from start(). `settled`, if given, is called on the loop's thread whenever it has handed out all it
         had (after each step, with the step's (inference, token) rows; before it sleeps and at its end, with
-        none): the engine's own process sends a step's outputs as one message then (batching/engine_process.py)."""
+        none); `before_forward` as each step's forward pass begins (Engine.before_forward): the engine's own
+        process makes a step's outputs into one message at the first and sends it at the next of either
+        (batching/engine_process.py)."""
         self._settled = settled or (lambda delivered=(): None)
         self._go = threading.Event()  # set by start()
         built: Future[Engine] = Future()
         self._thread = threading.Thread(
-            target=self._run, args=(build_engine, built), name=f"batching-{settings.mode}", daemon=True
+            target=self._run, args=(build_engine, before_forward, built), name=f"batching-{settings.mode}", daemon=True
         )
         self._thread.start()
         self.engine = engine = built.result()
@@ -173,9 +181,13 @@ class BatchingManager:
         return REPORTS[name](self, *args)
 
     # --- the loop thread --------------------------------------------------------------
-    def _run(self, build_engine: Callable[[], Engine], built: Future) -> None:
+    def _run(
+        self, build_engine: Callable[[], Engine], before_forward: Callable[[], None] | None, built: Future
+    ) -> None:
         try:
-            built.set_result(build_engine())
+            engine = build_engine()
+            engine.before_forward = before_forward
+            built.set_result(engine)
         except BaseException as err:  # noqa: BLE001 - a bad model or setting: __init__ raises it
             built.set_exception(err)
             return
@@ -295,6 +307,7 @@ class BatchingManager:
         (inference, token), token None for a prompt chunk short of the prompt's end."""
         began = time.monotonic()
         if self.settings.fault_hang_at_step == self.engine.num_steps + 1:
+            self._settled()  # what the steps before it made goes out first
             self._hang.wait()  # fault injection, for tests of /health: this step hangs until shutdown
         results = self.engine.step()  # schedule, run the model, sample, commit (generate/engine.py)
         if not results:

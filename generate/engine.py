@@ -2,6 +2,7 @@
 advanced one step at a time."""
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from itertools import repeat
 from typing import NamedTuple, Protocol
@@ -94,6 +95,9 @@ class Engine:
         self.launcher: ModelRunner | None = runner if overlap else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
         self.num_steps_ahead = 0  # steps launched before the step in front of them was read
+        # called on the loop's thread as each step's forward pass begins (its inputs built): the engine's own process
+        # sends the outputs of the step before then (batching/engine_process.py)
+        self.before_forward: Callable[[], None] | None = None
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> "Engine":
@@ -166,7 +170,7 @@ class Engine:
         """
         last = self.in_flight
         if last is None:  # nothing on the device: schedule a step
-            clock = StageClock()
+            clock = StageClock(self.before_forward)
             seqs = self.scheduler.schedule()
             if not seqs:
                 return []
@@ -196,7 +200,7 @@ class Engine:
         None: the next call reads `last` and schedules as usual."""
         rows = [i for i, s in enumerate(last.seqs) if s.status is Status.RUNNING]  # not ended or aborted meanwhile
         seqs = [last.seqs[i] for i in rows]
-        clock = StageClock()
+        clock = StageClock(self.before_forward)
         if not seqs or not self.scheduler.runs_alone(seqs):
             return None
         positions = [len(s.token_ids) for s in seqs]  # of the tokens on their way

@@ -6,6 +6,7 @@ timeline read copies from other threads, so memory stays constant whatever the u
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 STAGES = ("schedule", "build", "forward", "sample", "deliver")
@@ -13,18 +14,22 @@ STAGES = ("schedule", "build", "forward", "sample", "deliver")
 
 
 class StageClock:
-    """Splits one step's wall-clock time into named stages, lap by lap."""
+    """Splits one step's wall-clock time into named stages, lap by lap. The runner laps "build" once the step's
+    inputs are built, just before its forward pass: `before_forward`, if given, is called then."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_forward: Callable[[], None] | None = None) -> None:
         self.started_at = time.time()  # wall clock, for timelines
         self._last = self._start = time.perf_counter()
         self.stages: dict[str, float] = {}
+        self.before_forward = before_forward
 
     def lap(self, stage: str) -> None:
         """Charge the time since the previous lap to `stage`."""
         now = time.perf_counter()
         self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
         self._last = now
+        if stage == "build" and self.before_forward is not None:
+            self.before_forward()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start

@@ -4,6 +4,8 @@ Without a GPU the CUDA-graph runner's static buffers run eagerly (graphs="eager"
 under its interpreter: the launch, the look-ahead and the bookkeeping are the same, only nothing overlaps.
 """
 
+from itertools import groupby
+
 import pytest
 import torch
 from conftest import random_prompts
@@ -54,6 +56,20 @@ def test_seeded_samples_do_not_depend_on_it(tiny_checkpoint):
         outputs[mode] = engine.generate(prompts, params)
         assert (launched_ahead(engine) > 0) == (mode == "auto")
     assert outputs["auto"] == outputs["off"]
+
+
+def test_before_forward_is_called_in_each_launched_step_before_its_replay(tiny_checkpoint):
+    """A step launched ahead calls Engine.before_forward too, once its inputs are in the graph's buffers. (Without
+    a GPU the graph's replay runs the model's forward eagerly: a forward inside a replay is the same forward.)"""
+    engine = engine_for(tiny_checkpoint)
+    events: list[str] = []
+    replay, forward = engine.runner.graphs.replay, engine.runner.model.forward
+    engine.runner.graphs.replay = lambda n: events.append("forward") or replay(n)
+    engine.runner.model.forward = lambda *args: events.append("forward") or forward(*args)
+    engine.before_forward = lambda: events.append("inputs built")
+    engine.generate(random_prompts([5, 9], seed=3), [SamplingParams(max_tokens=n, temperature=0) for n in (6, 8)])
+    assert launched_ahead(engine) > 3
+    assert [event for event, _ in groupby(events)] == ["inputs built", "forward"] * engine.num_steps
 
 
 def test_an_abort_while_its_steps_are_in_flight_loses_nothing_else(tiny_checkpoint, hf_greedy):

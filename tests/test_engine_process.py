@@ -254,7 +254,7 @@ def engine_core(tmp_path: Path) -> Iterator:
     settings = Settings.of(**{k.lower(): v for k, v in sim_settings(tmp_path, step_s=0.001).items()})
     core = EngineCore(str(tmp_path), restarts=0)
     manager = BatchingManager(
-        functools.partial(simulated_engine, settings.engine, announce=False), settings, core.flush
+        functools.partial(simulated_engine, settings.engine, announce=False), settings, core.flush, core.push
     )
     core.attach(manager)
     manager.start()
@@ -293,6 +293,40 @@ def test_a_request_the_engine_cannot_take_is_refused_alone(tmp_path):
         wait_until(lambda: (7, 2) not in core.requests)  # answered: its end went out
     (end,) = [m for m in queued if isinstance(m, wire.Ended)]
     assert (end.rid, end.finish_reason, len(sent_tokens(queued, 2))) == (2, "length", 4)
+
+
+def test_a_steps_tokens_go_out_as_the_next_step_begins_its_forward_pass(tmp_path):
+    """The engine's process sends each step's tokens once the next step's inputs are built, not at the step's end
+    (the threads a send wakes would take the loop's core while it schedules and builds), and the last step's as
+    the loop goes idle: each step's tokens in a message of their own."""
+    from batching import wire
+
+    params = wire.Params(4, 0.0, 0, 1.0, None, False, None, None, 0, 0.0, 0.0, 1.0, [], None)
+    with engine_core(tmp_path) as (core, queued):
+        engine, schedule, push, pushes, seen = core.engine, core.engine.scheduler.schedule, core.push, [], []
+
+        def sent(moment: str) -> None:
+            while not core.outgoing.empty():
+                pushes.append([message for client, message in core.outgoing.get_nowait() if client == 7])
+            seen.append((moment, engine.num_steps, len(sent_tokens(sum(pushes, []), 1))))
+
+        def scheduling() -> list:
+            sent("schedule")  # the step before is done: engine.num_steps of them
+            return schedule()
+
+        def before_forward() -> None:
+            push()
+            sent("forward")
+
+        engine.scheduler.schedule, engine.before_forward = scheduling, before_forward
+        submit = wire.Submit(7, 1, [wire.Completion([1, 2], params, False, False)], [], 0, "", None, True)
+        assert core._submit_or_refuse(submit).refusal is None
+        wait_until(lambda: (7, 1) not in core.requests)
+    pushes.append(queued)  # the last step's, sent as the loop went idle
+    # step k: while it schedules, the tokens of the k - 2 before the last are out; at its forward pass, all k - 1
+    expected = [[("schedule", k - 1, max(k - 2, 0)), ("forward", k, k - 1)] for k in range(1, 5)]
+    assert seen[:8] == sum(expected, [])  # (the loop's shutdown may schedule once more, with nothing to run)
+    assert [len(sent_tokens(batch, 1)) for batch in pushes if batch] == [1, 1, 1, 1]
 
 
 def test_a_completion_not_streamed_has_its_first_token_sent_with_its_step_and_the_rest_with_its_end(tmp_path):

@@ -128,6 +128,22 @@ def test_greedy_batch_with_mixed_steps_matches_transformers_alone(tiny_checkpoin
     assert engine.blocks.num_used_blocks == 0
 
 
+def test_before_forward_is_called_in_each_step_once_its_inputs_are_built(tiny_checkpoint, hf_greedy):
+    """Engine.before_forward (where the engine's process sends the step before's outputs): once in every step,
+    prefill or decode, after the step's inputs are built and before the model runs."""
+    engine = make_engine(tiny_checkpoint)
+    events: list[str] = []
+    forward = engine.runner.model.forward
+    engine.runner.model.forward = lambda *args: events.append("forward") or forward(*args)
+    engine.before_forward = lambda: events.append("inputs built")
+    prompts = random_prompts([5, 9], seed=3)
+    assert engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in (4, 6)]) == [
+        hf_greedy(prompts[0], 4),
+        hf_greedy(prompts[1], 6),
+    ]
+    assert engine.num_steps >= 6 and events == ["inputs built", "forward"] * engine.num_steps
+
+
 def test_loads_pytorch_bin_checkpoints(tiny_checkpoint, hf_model, tmp_path):
     shutil.copy(tiny_checkpoint / "config.json", tmp_path)
     torch.save(hf_model.state_dict(), tmp_path / "pytorch_model.bin")
