@@ -62,9 +62,9 @@ class BatchingManager:
         """Builds the engine with `build_engine` on the loop's thread (its errors raised here); the loop
         runs from start(). `settled`, if given, is called on the loop's thread whenever it has handed out all it
         had (after each step, with the step's (inference, token) rows; before it sleeps and at its end, with
-        none); `before_forward` as each step's forward pass begins (Engine.before_forward): the engine's own
-        process makes a step's outputs into one message at the first and sends it at the next of either
-        (batching/engine_process.py)."""
+        none); `before_forward` as each step's forward pass begins (Engine.before_forward). The engine's own
+        process makes a step's outputs into messages when it has settled and sends them as the next forward pass
+        begins, or at once when the loop has settled with no rows (batching/engine_process.py)."""
         self._settled = settled or (lambda delivered=(): None)
         self._go = threading.Event()  # set by start()
         built: Future[Engine] = Future()
