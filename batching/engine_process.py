@@ -199,8 +199,9 @@ class EngineCore:
         self.manager, self.engine = manager, manager.engine
 
     def flush(self, delivered: list[tuple[Inference, int | None]] = ()) -> None:
-        """The loop has settled: a step's tokens (`delivered`: its rows' (inference, token)), then what ended,
-        go to the sender together, as one Tokens message to each front end."""
+        """The loop has settled: a step's tokens (`delivered`: its rows' (inference, token)), then what ended, become
+        one Tokens message to each front end, followed by their Ended; push() sends them as the next step's forward
+        pass begins, or now if the loop has settled with no rows (it is about to sleep or end)."""
         columns: dict[int, wire.Tokens] = {}
         for inference, token in delivered:
             if token is None:
@@ -226,7 +227,7 @@ class EngineCore:
         for client, ended in self.ended:
             self.unsent.setdefault(client, []).append(ended)
         self.ended = []
-        if not delivered:  # the loop is about to sleep or end: nothing is coming to send it with
+        if not delivered:
             self.push()
 
     def push(self) -> None:
