@@ -250,11 +250,7 @@ class EngineCore:
         for client, batch in batches.items():
             if client not in self.clients:
                 continue
-            socket = sockets.get(client)
-            if socket is None:
-                socket = sockets[client] = self.context.socket(zmq.PUSH)
-                socket.setsockopt(zmq.SNDHWM, 0)
-                socket.connect(f"ipc://{self.directory}/out-{client}")
+            socket = sockets.get(client) or sockets.setdefault(client, self._socket_to(self.context, client))
             socket.send(self.step_encoder.encode(batch))
 
     def ready_message(self) -> wire.Ready:
@@ -410,15 +406,20 @@ class EngineCore:
                     batches.pop(client, None)
                     continue
                 if client not in sockets and isinstance(message, wire.Ready):
-                    sockets[client] = socket = context.socket(zmq.PUSH)
-                    socket.setsockopt(zmq.SNDHWM, 0)  # never block the sender on one slow front end
-                    socket.connect(f"ipc://{self.directory}/out-{client}")
+                    sockets[client] = self._socket_to(context, client)
                 if client in sockets:
                     batches.setdefault(client, []).append(message)
             for client, batch in batches.items():
                 sockets[client].send(encoder.encode(batch))
             if queued[-1] is None:
                 return
+
+    def _socket_to(self, context: zmq.Context, client: int) -> zmq.Socket:
+        """A socket pushing into front end `client`'s own `out-<pid>` (the loop's or the sender's)."""
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)  # never block the loop or the sender on one slow front end
+        socket.connect(f"ipc://{self.directory}/out-{client}")
+        return socket
 
     def report_status(self) -> None:
         while True:
