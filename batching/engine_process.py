@@ -250,7 +250,9 @@ class EngineCore:
         for client, batch in batches.items():
             if client not in self.clients:
                 continue
-            socket = sockets.get(client) or sockets.setdefault(client, self._socket_to(self.context, client))
+            socket = sockets.get(client)
+            if socket is None:
+                socket = sockets[client] = self._socket_to(self.context, client)
             socket.send(self.step_encoder.encode(batch))
 
     def ready_message(self) -> wire.Ready:
