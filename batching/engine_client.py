@@ -8,10 +8,11 @@ completion's new tokens and text) and plays each out on the request's own Infere
 its sequence, a delta on its queue, and at its end the answer that sets its `threading.Event`, so the routes
 read a completion exactly as they do in one process. When the engine dies, every request in flight is answered
 with an error at once, /health is 503, and its keeper starts a new engine (each restart logged and counted), to
-which the bridge says Hello until it answers.
+which the bridge connects and says Hello.
 """
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -25,9 +26,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import NamedTuple
 
 import msgspec
-import zmq
 
-from batching import engine_process, wire
+from batching import channel, engine_process, wire
 from batching.admission_error import Refused
 from batching.inference import Inference
 from batching.manager import NotServing
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 CALL_ERRORS = {e.__name__: e for e in (LoraError, LoraNotFound, LoraInUse, ValueError)}
 CALL_TIMEOUT_S = 10.0  # a report the engine has not answered by then is a 503
 STATUS_LATE_S = 2.0  # no status for this long: the engine's process is stuck
-HELLO_S = 0.2  # Hello again after this long without Ready: an engine starting may have missed it
+CONNECT_S = 0.2  # how soon to try connecting again while no engine listens (one is starting)
 SHUT_DOWN = "the server shut down before this request finished"
 ENGINE_START_S = 600.0  # gunicorn's master builds the model before any worker starts: this is its margin
 
@@ -120,12 +120,9 @@ class EngineClient:
             self._keeper = engine_process.EngineKeeper(settings, build_engine, tenants, directory)
             self._keeper.start()
         self.client = os.getpid()
-        self._context = zmq.Context()
-        self._to_engine, self._from_engine = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
-        self._to_engine.connect(f"ipc://{directory}/in")
-        self._from_engine.bind(f"ipc://{directory}/out-{self.client}")
-        self._send_lock = threading.Lock()  # request threads share the one socket to the engine
-        self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(list[wire.FromEngine])
+        self._path = f"{directory}/in"
+        self._channel: channel.Channel | None = None  # to the engine serving now; request threads share it
+        self._decoder = msgspec.msgpack.Decoder(list[wire.FromEngine])
         self._ids = itertools.count(1)  # request and call ids, never reused (across restarts too)
         self._pending: dict[int, list[Inference]] = {}  # by request id, until every completion is answered
         self._rid: dict[Inference, int] = {}
@@ -193,7 +190,7 @@ class EngineClient:
             refusal = self._ask(rid, submit)
         except NotServing:
             self._forget(rid)
-            self._send(wire.Cancel(self.client, rid, list(range(len(infs)))))  # in case it was queued after all
+            self._notify(wire.Cancel(self.client, rid, list(range(len(infs)))))  # in case it was queued after all
             raise
         if refusal is not None:
             self._forget(rid)
@@ -212,7 +209,7 @@ class EngineClient:
             if rid is not None:
                 by_request.setdefault(rid, []).append(inference.index)
         for rid, indices in by_request.items():
-            self._send(wire.Cancel(self.client, rid, indices))
+            self._notify(wire.Cancel(self.client, rid, indices))
 
     def report(self, name: str, *args):
         """/stats, /metrics or /stats/timeline's body, computed by the engine's process
@@ -235,7 +232,7 @@ class EngineClient:
         self._stopping = True
         if self._keeper is not None:
             self._keeper.stopping = True
-            threading.Thread(target=self._send, args=(wire.Stop(grace_s),), daemon=True).start()
+            threading.Thread(target=self._notify, args=(wire.Stop(grace_s),), daemon=True).start()
         else:  # the engine serves other front ends: it keeps running, and forgets this one's requests when it exits
             timer = threading.Timer(grace_s, self._fail_everything, args=(SHUT_DOWN,))
             timer.daemon = True
@@ -254,9 +251,19 @@ class EngineClient:
             self._waiting.pop(key, None)
 
     def _send(self, message) -> None:
-        data = self._encoder.encode(message)
-        with self._send_lock:
-            self._to_engine.send(data)
+        """To the engine, from any thread; NotServing where it is gone, or has taken nothing for CALL_TIMEOUT_S."""
+        to = self._channel
+        if to is None:
+            raise NotServing("the engine process is not connected")
+        try:
+            to.send(msgspec.msgpack.encode(message), CALL_TIMEOUT_S)
+        except OSError as err:  # TimeoutError too
+            raise NotServing(f"the engine process did not take a message: {err}") from None
+
+    def _notify(self, message) -> None:
+        """A message no answer is awaited for (Cancel, Stop): an engine that is gone needs it no more."""
+        with contextlib.suppress(NotServing):
+            self._send(message)
 
     def _forget(self, rid: int) -> None:
         for inference in self._pending.pop(rid, []):
@@ -264,17 +271,24 @@ class EngineClient:
 
     # --- the bridge thread ------------------------------------------------------------
     def _connect(self, timeout_s: float = float("inf")) -> wire.Ready:
-        """Say Hello until an engine answers Ready (one may be starting: its keeper's); what the last engine
-        still had queued for this front end is played out meanwhile."""
+        """Connect to the engine and say Hello until it answers Ready: one may be starting (its keeper's), or die
+        while it does."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self._send(wire.Hello(self.client))
-            while self._from_engine.poll(HELLO_S * 1000):
-                messages = self._decoder.decode(self._from_engine.recv())
-                ready = [message for message in messages if isinstance(message, wire.Ready)]
-                if ready:
-                    return ready[0]
-                self._apply(messages)
+            to = channel.connect(self._path)
+            if to is None:
+                time.sleep(CONNECT_S)  # nothing to wait on until an engine listens: try again soon
+                continue
+            self._channel = to
+            with contextlib.suppress(NotServing):
+                self._send(wire.Hello(self.client))
+                while (messages := to.receive(CONNECT_S)) is not None and time.monotonic() < deadline:
+                    decoded = (m for payload in messages for m in self._decoder.decode(payload))
+                    ready = [message for message in decoded if isinstance(message, wire.Ready)]
+                    if ready:  # its first message
+                        return ready[0]
+            to.close()  # that engine died while starting, or never answered
+        self._channel = None
         raise RuntimeError(f"no engine answered within {timeout_s:.0f} s")
 
     def _serving(self, ready: wire.Ready) -> None:
@@ -294,23 +308,15 @@ class EngineClient:
             log.warning("serving again, on engine process %d (%d restart(s) so far)", ready.pid, ready.restarts)
 
     def _serve(self, pid: int) -> None:
-        """Play out the engine's messages until its process ends (its pidfd says so: the engine need not be this
-        process's child), then answer every request in flight with an error."""
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            pidfd = None  # gone already
-        poller = zmq.Poller()
-        poller.register(self._from_engine, zmq.POLLIN)
-        if pidfd is not None:
-            poller.register(pidfd, zmq.POLLIN)
-        while pidfd is not None:
-            events = dict(poller.poll())
-            if self._from_engine in events:  # first: what the engine sent before it ended
-                self._apply(self._decoder.decode(self._from_engine.recv()))
-            elif pidfd in events:
-                os.close(pidfd)
-                break
+        """Play out the engine's messages until its process ends (its connection closes with it, after the last
+        message it sent), then answer every request in flight with an error."""
+        frm = self._channel
+        assert frm is not None
+        while (messages := frm.receive()) is not None:
+            for payload in messages:
+                self._apply(self._decoder.decode(payload))
+        self._channel = None
+        frm.close()
         self.failure = SHUT_DOWN if self._stopping else f"the engine process exited (it was process {pid})"
         if not self._stopping:
             log.error("%s: answering every request in flight with an error", self.failure)

@@ -1,22 +1,22 @@
 """The engine in a process of its own (ENGINE_PROCESS=on): model, KV cache, scheduler and the batching loop,
-fed and read by its front ends (batching/engine_client.py: one per gunicorn worker, API_SERVER_COUNT of them)
-through ZMQ sockets in a private directory (messages: batching/wire.py): every front end pushes into the engine's
-`in`; the engine pushes each front end's messages into that front end's own `out-<pid>`, as vLLM's engine core
-answers each API server on its own socket. EngineKeeper starts it, and starts another when it dies.
+fed and read by its front ends (batching/engine_client.py: one per gunicorn worker, API_SERVER_COUNT of them),
+each over a connection of its own to the engine's Unix socket `in` in a private directory (batching/channel.py;
+messages: batching/wire.py), as vLLM's engine core answers each API server on its own socket. EngineKeeper starts
+it, and starts another when it dies.
 
 In this process the BatchingManager runs exactly as it does in one process: its loop thread builds the engine
 and owns every torch op. Each request is rebuilt here as its Inferences; one with stop strings gets a text stream
 to find them, so the loop decides every end as before. Text is the front ends' to make: after each step the loop
 hands its rows' token ids to flush(), which makes one Tokens message (columns of numbers) per front end, followed
-by the Ended of whatever ended, and pushes it on the loop's own socket to that front end (ZMQ's I/O thread writes
-it) as the next step's forward pass begins. Two more threads, each blocked in ZMQ or a queue (which lets the
-interpreter go) when idle: the main thread takes the front ends' messages; the sender ships the answers to them
-(Ready, Ack, Reply) and the Status. No request thread shares this interpreter: a streamed token costs the loop a
-few list appends here; its text, JSON and socket write are the front end's.
+by the Ended of whatever ended, and sends it to that front end itself as the next step's forward pass begins.
+The main thread takes the front ends' messages and answers them (Ready, Ack, Reply); a status thread sends the
+Status; a flusher sends what a front end's socket would not take at once (one that has fallen behind). Every send
+is the sending thread's own and never blocks it. No request thread shares this interpreter: a streamed token
+costs the loop a few list appends here; its text, JSON and socket write are the front end's.
 
 It exits when the front end that started it sends Stop (after SHUTDOWN_GRACE_S's drain) or when the process that
 started it is gone (PR_SET_PDEATHSIG where Linux has it, and a watch on the parent's id). A front end that is
-gone (its pidfd says so) has its requests cancelled.
+gone (its connection closed with its process) has its requests cancelled.
 """
 
 import contextlib
@@ -25,7 +25,10 @@ import logging
 import multiprocessing
 import os
 import queue
+import select
+import selectors
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,9 +38,8 @@ from multiprocessing import connection
 from multiprocessing.connection import Connection
 
 import msgspec
-import zmq
 
-from batching import wire
+from batching import channel, wire
 from batching.admission_error import Refused
 from batching.inference import Delta, Inference
 from batching.manager import BatchingManager, NotServing
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 # Where gunicorn's master tells its workers the engine's sockets are (API_SERVER_COUNT > 1: gunicorn.conf.py)
 DIRECTORY_VARIABLE = "GPT2_SERVER_ENGINE_DIR"
 NOT_STREAMED = 1 << 30  # no delta but its first and last: the front end streams
+STOP_FLUSH_S = 1.0  # told to Stop, what the front ends' sockets have not taken yet is sent for up to this long
 
 
 def run(
@@ -73,10 +76,7 @@ def run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
-    context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
-    inbox.bind(f"ipc://{directory}/in")
-    core = EngineCore(directory, restarts, context)
+    core = EngineCore(restarts, channel.listen(f"{directory}/in"))  # front ends wait in its backlog meanwhile
     try:
         manager = BatchingManager(build_engine, settings, settled=core.flush, before_forward=core.push)
     except Exception as err:  # noqa: BLE001 - a bad model or setting: the keeper says why
@@ -89,13 +89,10 @@ def run(
     )
     core.attach(manager)
     manager.start()
-    sender = threading.Thread(target=core.send_all, args=(context,), name="engine-sender", daemon=True)
-    sender.start()
+    threading.Thread(target=core.flush_backlogs, name="engine-flusher", daemon=True).start()
     threading.Thread(target=core.report_status, name="engine-status", daemon=True).start()
     started.send(("ready", os.getpid()))
-    core.serve(inbox)
-    sender.join()
-    context.destroy(linger=1000)
+    core.serve()
 
 
 class EngineKeeper:
@@ -180,18 +177,18 @@ class EngineKeeper:
 class EngineCore:
     """The front ends' requests, as Inferences in this process's manager; their outputs, as messages to each."""
 
-    def __init__(self, directory: str, restarts: int, context: zmq.Context | None = None):
-        self.directory, self.restarts, self.context = directory, restarts, context
+    def __init__(self, restarts: int, listener: socket.socket | None = None):
+        """`listener`: where front ends connect; with none (a loop run alone, in tests and benchmarks), what would be
+        sent is queued in `outgoing` instead, as lists of (front end, FromEngine message)."""
+        self.restarts, self.listener = restarts, listener
         self.tokenizer = load_tokenizer()
-        # lists of (front end, FromEngine message, or None: forget that front end); None: the last has been queued
         self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self.ended: list[tuple[int, wire.Ended]] = []  # the loop's, since it last settled (its thread alone)
-        self.step_sockets: dict[int, zmq.Socket] = {}  # the loop's own, by front end (its thread alone)
-        self.step_encoder = msgspec.msgpack.Encoder()
         self.unsent: dict[int, list] = {}  # the loop's messages since its last push, by front end
         # by front end and its request id, until every completion is answered
         self.requests: dict[tuple[int, int], list[Inference]] = {}
-        self.clients: dict[int, int] = {}  # each front end's pidfd, by its process id (the main thread's)
+        self.channels: dict[int, channel.Channel] = {}  # each front end's, by its process id, from its Hello
+        self.backlogged = threading.Event()  # a channel has some the flusher must send
         self.submitted: dict[int, int] = {}  # requests each front end has submitted
         self.loras_lock = threading.Lock()  # a Status never overtakes the Reply of a load it does not show
 
@@ -231,29 +228,32 @@ class EngineCore:
             self.push()
 
     def push(self) -> None:
-        """What the loop's steps made since the last push, one message to each front end, pushed from the loop's
-        thread on its own sockets (encoding and pushing: ~2 µs). Called as the next step's forward pass begins, not
-        at flush: the threads a push wakes (ZMQ's I/O thread, then the front end's) take a core then, where at flush
-        they took the loop's own while it scheduled and built the next step. Handed to a sender thread instead, a
-        step's messages cost the loop its interpreter lock: the sender took it whenever the loop released it in a
-        torch op, and the loop slept until it had it back (a 64-stream burst on a 2-vCPU Xeon: 175 such sleeps of
-        1 ms on average, over 134 steps). A front end that is gone has its socket closed, and its share dropped."""
+        """What the loop's steps made since the last push, one message to each front end, sent from the loop's
+        thread (encoding and sending: a few µs). Called as the next step's forward pass begins, not at flush: the
+        front end's thread that a send wakes takes a core then, where at flush it took the loop's own while it
+        scheduled and built the next step. Handed to a sender thread instead, a step's messages cost the loop its
+        interpreter lock: the sender took it whenever the loop released it in a torch op, and the loop slept until
+        it had it back (a 64-stream burst on a 2-vCPU Xeon: 175 such sleeps of 1 ms on average, over 134 steps)."""
         if not self.unsent:
             return
         batches, self.unsent = self.unsent, {}
-        if self.context is None:  # no sockets (a loop run alone, in tests): queued for whoever reads `outgoing`
-            self.outgoing.put([(client, message) for client, batch in batches.items() for message in batch])
-            return
-        sockets = self.step_sockets
-        for client in [c for c in sockets if c not in self.clients]:  # gone: what is left for it is dropped
-            sockets.pop(client).close(linger=0)
         for client, batch in batches.items():
-            if client not in self.clients:
-                continue
-            socket = sockets.get(client)
-            if socket is None:
-                socket = sockets[client] = self._socket_to(self.context, client)
-            socket.send(self.step_encoder.encode(batch))
+            self.post(client, batch)
+
+    def post(self, client: int, messages: list) -> None:
+        """Messages to one front end, sent by the calling thread (the loop, the main thread or the status thread);
+        what its socket will not take now is the flusher's. A front end that is gone has them dropped."""
+        if self.listener is None:
+            self.outgoing.put([(client, message) for message in messages])
+            return
+        to = self.channels.get(client)
+        if to is None:
+            return
+        try:
+            if to.send(msgspec.msgpack.encode(messages)):
+                self.backlogged.set()
+        except OSError:
+            pass  # gone: the main thread reads its connection's end
 
     def ready_message(self) -> wire.Ready:
         engine = self.engine
@@ -266,53 +266,58 @@ class EngineCore:
     def adapters(self) -> list[wire.Adapter]:
         return [(a.name, a.path, a.id, a.rank) for a in self.engine.loras.adapters()]
 
-    def serve(self, inbox: zmq.Socket) -> None:
-        """The main thread: each message from the front ends, in order, until Stop; a front end's end (its
-        pidfd) cancels its requests."""
+    def serve(self) -> None:
+        """The main thread: front ends connecting, and each one's messages in order, until Stop; a front end's
+        connection closing (its process ended) cancels its requests."""
+        assert self.listener is not None
         decoder = msgspec.msgpack.Decoder(wire.ToEngine)
-        poller = zmq.Poller()
-        poller.register(inbox, zmq.POLLIN)
+        selector = selectors.DefaultSelector()
+        selector.register(self.listener, selectors.EVENT_READ)
         while True:
-            for item, _ in poller.poll():
-                if item is not inbox:
-                    poller.unregister(item)
-                    self._gone(item)
+            for key, _ in selector.select():
+                if key.fileobj is self.listener:
+                    selector.register(channel.Channel(self.listener.accept()[0]), selectors.EVENT_READ)
                     continue
-                message = decoder.decode(inbox.recv())
-                if isinstance(message, wire.Hello):
-                    self._hello(message.client, poller)
-                elif isinstance(message, wire.Submit):
-                    self.submitted[message.client] = self.submitted.get(message.client, 0) + 1
-                    self.outgoing.put([(message.client, self._submit_or_refuse(message))])
-                elif isinstance(message, wire.Cancel):
-                    mine = self.requests.get((message.client, message.rid), [])
-                    self.manager.cancel(*(mine[i] for i in message.indices if i < len(mine)))
-                elif isinstance(message, wire.Call):
-                    self.outgoing.put([(message.client, self.call(message))])
-                else:  # Stop: drain as one process does on SIGTERM, then the sender's last message
-                    self.manager.shut_down(message.grace_s)
-                    self.manager.join()
-                    self.outgoing.put(None)
-                    return
+                frm: channel.Channel = key.fileobj  # type: ignore[assignment]
+                messages = frm.receive()
+                if messages is None:
+                    selector.unregister(frm)
+                    self._gone(frm)
+                    continue
+                for message in map(decoder.decode, messages):
+                    if isinstance(message, wire.Hello):
+                        self._hello(message.client, frm)
+                    elif isinstance(message, wire.Submit):
+                        self.submitted[message.client] = self.submitted.get(message.client, 0) + 1
+                        self.post(message.client, [self._submit_or_refuse(message)])
+                    elif isinstance(message, wire.Cancel):
+                        mine = self.requests.get((message.client, message.rid), [])
+                        self.manager.cancel(*(mine[i] for i in message.indices if i < len(mine)))
+                    elif isinstance(message, wire.Call):
+                        self.post(message.client, [self.call(message)])
+                    else:  # Stop: drain as one process does on SIGTERM, and send what is left
+                        self.manager.shut_down(message.grace_s)
+                        self.manager.join()
+                        self._flush(STOP_FLUSH_S)
+                        return
 
-    def _hello(self, client: int, poller: zmq.Poller) -> None:
-        """A front end, new or saying Hello again (it repeats it until Ready comes): Ready to it."""
-        if client not in self.clients:
-            try:
-                self.clients[client] = pidfd = os.pidfd_open(client)
-            except ProcessLookupError:
-                return  # gone already
-            poller.register(pidfd, zmq.POLLIN)
-        self.outgoing.put([(client, self.ready_message())])
+    def _hello(self, client: int, frm: channel.Channel) -> None:
+        """A front end: Ready to it, its first message (no Status before it), then everything meant for it."""
+        with contextlib.suppress(OSError):  # gone already: its connection's end follows
+            backlog = frm.send(msgspec.msgpack.encode([self.ready_message()]))
+            self.channels[client] = frm
+            if backlog:
+                self.backlogged.set()
 
-    def _gone(self, pidfd: int) -> None:
-        """A front end's process ended (killed, say): nobody waits for its requests any more."""
-        client = next(c for c, fd in self.clients.items() if fd == pidfd)
-        del self.clients[client]
-        os.close(pidfd)
+    def _gone(self, peer: channel.Channel) -> None:
+        """A front end's connection closed (its process ended, killed say): nobody waits for its requests any more."""
+        peer.close()
+        client = next((c for c, known in self.channels.items() if known is peer), None)
+        if client is None:
+            return  # it never said Hello
+        del self.channels[client]
         log.warning("front end %d is gone: cancelling its requests", client)
         self.manager.cancel(*(i for (c, _), infs in list(self.requests.items()) if c == client for i in infs))
-        self.outgoing.put([(client, None)])
 
     def _submit_or_refuse(self, request: wire.Submit) -> wire.Ack:
         """One request's trouble here (its constraint failing to compile again, say) is its own answer, never
@@ -383,45 +388,28 @@ class EngineCore:
                 return wire.Reply(call.cid, None)
             value = self.manager.report(call.name, *call.args)
             if call.name == "stats":  # how the requests spread over the front ends (API_SERVER_COUNT)
-                value["front_end_requests"] = sorted(self.submitted.get(client, 0) for client in list(self.clients))
+                value["front_end_requests"] = sorted(self.submitted.get(client, 0) for client in list(self.channels))
             return wire.Reply(call.cid, value)
         except Exception as err:  # noqa: BLE001 - the caller's error (a 4xx, or its 500), never the engine's end
             return wire.Reply(call.cid, None, (type(err).__name__, str(err)))
 
-    def send_all(self, context: zmq.Context) -> None:
-        """The sender thread: everything queued when it wakes (all but the loop's step messages, where the loop has
-        sockets of its own), one message to each front end it is for. A front end's socket is opened by its Ready
-        and closed when it is gone; what is still queued for it is dropped."""
-        encoder = msgspec.msgpack.Encoder()
-        sockets: dict[int, zmq.Socket] = {}
+    def flush_backlogs(self) -> None:
+        """The flusher thread: what a front end's socket would not take when it was sent, as the socket takes it."""
         while True:
-            queued = [self.outgoing.get()]
-            while True:
-                try:
-                    queued.append(self.outgoing.get_nowait())
-                except queue.Empty:
-                    break
-            batches: dict[int, list] = {}
-            for client, message in (pair for item in queued if item is not None for pair in item):
-                if message is None:
-                    sockets.pop(client).close(linger=0)
-                    batches.pop(client, None)
-                    continue
-                if client not in sockets and isinstance(message, wire.Ready):
-                    sockets[client] = self._socket_to(context, client)
-                if client in sockets:
-                    batches.setdefault(client, []).append(message)
-            for client, batch in batches.items():
-                sockets[client].send(encoder.encode(batch))
-            if queued[-1] is None:
-                return
+            self.backlogged.wait()
+            self.backlogged.clear()
+            self._flush(float("inf"))
 
-    def _socket_to(self, context: zmq.Context, client: int) -> zmq.Socket:
-        """A socket pushing into front end `client`'s own `out-<pid>` (the loop's or the sender's)."""
-        socket = context.socket(zmq.PUSH)
-        socket.setsockopt(zmq.SNDHWM, 0)  # never block the loop or the sender on one slow front end
-        socket.connect(f"ipc://{self.directory}/out-{client}")
-        return socket
+    def _flush(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (waiting := [c for c in list(self.channels.values()) if c.backlog]) and time.monotonic() < deadline:
+            poller = select.poll()
+            for peer in waiting:
+                poller.register(peer, select.POLLOUT)
+            poller.poll(1000)
+            for peer in waiting:
+                with contextlib.suppress(OSError):  # gone: its backlog dropped
+                    peer.flush()
 
     def report_status(self) -> None:
         while True:
@@ -434,7 +422,8 @@ class EngineCore:
         status = wire.Status(
             manager.health_problem(), manager.ready, manager.num_waiting(), manager.num_running(), self.adapters()
         )
-        self.outgoing.put([(client, status) for client in list(self.clients)])
+        for client in list(self.channels):
+            self.post(client, [status])
 
 
 class _Sink:

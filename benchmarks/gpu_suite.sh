@@ -97,11 +97,11 @@ wheels() {  # the server's and the tests' packages for Python 3.12 on x86-64 Lin
 }
 
 install_wheels() {
-  "$PY" -c "import flask, gunicorn, dotenv, openai, zmq, msgspec" 2>/dev/null && return
+  "$PY" -c "import flask, gunicorn, dotenv, openai, msgspec" 2>/dev/null && return
   ls .whl/*.whl >/dev/null 2>&1 || { echo "flask, gunicorn, python-dotenv or openai missing, and no .whl/ (carry it)" >&2; exit 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH  # bin: py-spy, if carried
-  "$PY" -c "import flask, gunicorn, dotenv, openai, zmq, msgspec" || exit 1
+  "$PY" -c "import flask, gunicorn, dotenv, openai, msgspec" || exit 1
 }
 
 leftovers() {  # servers and balancers started from this checkout that are still running

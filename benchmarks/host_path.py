@@ -67,7 +67,7 @@ def run(directory: Path, gpu: Path, layout: tuple[str, str], interval: int, requ
     }
 
 
-def loop_only(directory: Path, gpu: Path, requests: int, rounds: int) -> dict:
+def loop_only(gpu: Path, requests: int, rounds: int) -> dict:
     """The engine process's loop in this process, over ENGINE=sim's runner (the module's --loop-only)."""
     from batching import wire
     from batching.engine_process import EngineCore
@@ -77,7 +77,7 @@ def loop_only(directory: Path, gpu: Path, requests: int, rounds: int) -> dict:
     from sim.runner import SimRunner
 
     settings = Settings.of(engine="sim", sim_model="gpt2", sim_gpu=str(gpu), dtype="")
-    core = EngineCore(str(directory), restarts=0)
+    core = EngineCore(restarts=0)
     build = functools.partial(simulated_engine, settings.engine, announce=False)
     manager = BatchingManager(build, settings, core.flush)
     core.attach(manager)
@@ -101,7 +101,7 @@ def loop_only(directory: Path, gpu: Path, requests: int, rounds: int) -> dict:
         for rid in range(requests):
             ack = core.submit(wire.Submit(os.getpid(), round_ * requests + rid, [completion], [], 0, "", None, True))
             assert ack.refusal is None, ack
-        while core.requests:  # as the sender: every message taken off
+        while core.requests:  # as a front end: every message taken off
             with contextlib.suppress(queue.Empty):
                 core.outgoing.get(timeout=0.1)
     elapsed, steps = time.perf_counter() - start, manager.engine.num_steps - first
@@ -128,7 +128,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             gpu = write_fixed_step_profile(Path(tmp), args.step_ms / 1e3)
             for requests in args.requests.split(","):
-                r = loop_only(Path(tmp), gpu, int(requests), args.rounds)
+                r = loop_only(gpu, int(requests), args.rounds)
                 own, loop = r["engine_ms"], r["loop_ms"]
                 print(f"{requests:>8} | {args.rounds:>6} | {r['steps']:>5} | {own:30.3f} | {loop:.3f}")
         return 0

@@ -243,7 +243,7 @@ def test_a_refusal_comes_from_the_engines_admission(tmp_path, front_ends):
 @contextlib.contextmanager
 def engine_core(tmp_path: Path) -> Iterator:
     """The engine process's EngineCore and loop in this process, over the simulated engine (1 ms steps); after the
-    block, everything it queued for front end 7 (the sender's work, left undone)."""
+    block, everything it would have sent front end 7 (no front end connects)."""
     import functools
 
     from batching.engine_process import EngineCore
@@ -252,7 +252,7 @@ def engine_core(tmp_path: Path) -> Iterator:
     from sim.engine import simulated_engine
 
     settings = Settings.of(**{k.lower(): v for k, v in sim_settings(tmp_path, step_s=0.001).items()})
-    core = EngineCore(str(tmp_path), restarts=0)
+    core = EngineCore(restarts=0)
     manager = BatchingManager(
         functools.partial(simulated_engine, settings.engine, announce=False), settings, core.flush, core.push
     )
