@@ -17,7 +17,7 @@ import threading
 import time
 
 HEADER = struct.Struct("<I")  # a message's length in bytes
-READ_BYTES = 1 << 20
+READ_BYTES = 1 << 16  # a step's message for hundreds of rows in one read; a long prompt in a few
 
 
 class Channel:

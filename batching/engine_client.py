@@ -271,17 +271,17 @@ class EngineClient:
 
     # --- the bridge thread ------------------------------------------------------------
     def _connect(self, timeout_s: float = float("inf")) -> wire.Ready:
-        """Connect to the engine and say Hello until it answers Ready: one may be starting (its keeper's), or die
-        while it does."""
+        """Connect to the engine, say Hello and wait for its Ready: one may be starting (its keeper's: none listens
+        yet, or one listens that is still building its model), or die while it does."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             to = channel.connect(self._path)
             if to is None:
                 time.sleep(CONNECT_S)  # nothing to wait on until an engine listens: try again soon
                 continue
-            self._channel = to
-            with contextlib.suppress(NotServing):
-                self._send(wire.Hello(self.client))
+            with contextlib.suppress(OSError):
+                to.send(msgspec.msgpack.encode(wire.Hello(self.client)), CALL_TIMEOUT_S)
+                self._channel = to  # request threads' messages follow the Hello
                 while (messages := to.receive(CONNECT_S)) is not None and time.monotonic() < deadline:
                     decoded = (m for payload in messages for m in self._decoder.decode(payload))
                     ready = [message for message in decoded if isinstance(message, wire.Ready)]
