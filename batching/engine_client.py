@@ -323,9 +323,10 @@ class EngineClient:
         self._fail_everything(self.failure)
 
     def _apply(self, messages: list) -> None:
-        """One message from the engine (what it had for this front end when its sender woke: a step's Tokens, or
-        several steps'). Each step's Tokens are followed by the Ended of the completions they end, so a delta is
-        streamed per step, and a completion's last token and its end go out in one, as in one process."""
+        """One message from the engine (what one of its threads had for this front end at once: a step's Tokens,
+        or several steps', an Ack, a Reply, a Status). Each step's Tokens are followed by the Ended of the
+        completions they end, so a delta is streamed per step, and a completion's last token and its end go out in
+        one, as in one process."""
         touched: list[Inference] = []
         for message in messages:
             if isinstance(message, wire.Tokens):

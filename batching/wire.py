@@ -4,10 +4,11 @@ msgpack through msgspec, as vLLM's engine core speaks: plain numbers, strings an
 array, so nothing a client sent is ever unpickled and a step's message stays a few bytes a row. Each front end
 (a gunicorn worker; API_SERVER_COUNT of them) says Hello with its process id, its name in every message after;
 then it sends Submit, Cancel and Call. The engine answers Hello with Ready, then sends each front end batches
-(lists) of Ack, Tokens, Ended, Reply and Status, as many as were ready for it when its sender woke: a step's
-tokens leave together, as one Tokens of ids; the front end makes their text. A completion that is not streamed
-has only its first token sent with its step (its time to first token), the rest with its Ended: nobody reads them
-sooner, and a step then costs the front ends nothing for it.
+(lists) of Ack, Tokens, Ended, Reply and Status, each what one of its threads had for that front end at once: a
+step's tokens leave together, as one Tokens of ids, with the Ended of what the step ended; the front end makes
+their text. Each batch is one message on the front end's connection (batching/channel.py). A completion that is
+not streamed has only its first token sent with its step (its time to first token), the rest with its Ended:
+nobody reads them sooner, and a step then costs the front ends nothing for it.
 """
 
 import msgspec
