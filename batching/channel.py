@@ -2,13 +2,15 @@
 whole messages, each its length (4 bytes) and its bytes (batching/wire.py's msgpack).
 
 Why not ZMQ, which carried them before: a ZMQ socket hands each message to an I/O thread of its own in each
-process, so a step's message woke four threads (the loop's push, ZMQ's I/O thread there, ZMQ's I/O thread in the
-front end, the bridge) where a plain socket wakes one, the bridge; and on a 2-vCPU machine every thread woken in
-the engine's process takes a core from its forward pass. A send here is the sending thread's own syscall and never
-blocks it: what the socket will not take now (a front end that has fallen far behind) waits in the channel's
-backlog, in order, until `flush` sends it, so no thread ever holds half a message.
+process, so a step's message went from the loop through ZMQ's I/O thread there and ZMQ's I/O thread in the front
+end to the bridge, three threads woken where the loop's own send on a plain socket wakes one, the bridge; and on a
+2-vCPU machine every thread woken in the engine's process takes a core from its forward pass. A send here is the
+sending thread's own syscall and never blocks it: what the socket will not take now (a front end that has fallen
+far behind) waits in the channel's backlog, in order, until `flush` sends it, so no thread ever holds half a
+message.
 """
 
+import errno
 import os
 import select
 import socket
@@ -110,7 +112,9 @@ def listen(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
-    except OSError:
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise
         os.unlink(path)  # an engine before this one died without removing it
         sock.bind(path)
     sock.listen(64)
