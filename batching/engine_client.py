@@ -131,9 +131,9 @@ class EngineClient:
         self._status_at = 0.0
         self._stopping = False
         self.failure: str | None = None  # why no engine serves now (restarting)
-        ready = self._connect(timeout_s=ENGINE_START_S)
+        ready, after = self._connect(timeout_s=ENGINE_START_S)
         self.engine = EngineCard(ready, settings.engine, self.call)
-        self._serving(ready)
+        self._serving(ready, after)
         self._bridge = threading.Thread(target=self._run, args=(ready,), name=f"batching-{self.mode}-bridge")
         self._bridge.daemon = True
         self._bridge.start()
@@ -270,9 +270,10 @@ class EngineClient:
             self._rid.pop(inference, None)
 
     # --- the bridge thread ------------------------------------------------------------
-    def _connect(self, timeout_s: float = float("inf")) -> wire.Ready:
+    def _connect(self, timeout_s: float = float("inf")) -> tuple[wire.Ready, list]:
         """Connect to the engine, say Hello and wait for its Ready: one may be starting (its keeper's: none listens
-        yet, or one listens that is still building its model), or die while it does."""
+        yet, or one listens that is still building its model), or die while it does. Ready, and what came after it
+        in the same read (a Reply to a call a request thread made meanwhile, a Status)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             to = channel.connect(self._path)
@@ -283,28 +284,30 @@ class EngineClient:
                 to.send(msgspec.msgpack.encode(wire.Hello(self.client)), CALL_TIMEOUT_S)
                 self._channel = to  # request threads' messages follow the Hello
                 while (messages := to.receive(CONNECT_S)) is not None and time.monotonic() < deadline:
-                    decoded = (m for payload in messages for m in self._decoder.decode(payload))
-                    ready = [message for message in decoded if isinstance(message, wire.Ready)]
-                    if ready:  # its first message
-                        return ready[0]
+                    decoded = [m for payload in messages for m in self._decoder.decode(payload)]
+                    if decoded:
+                        assert isinstance(decoded[0], wire.Ready), decoded[0]  # its first message on a connection
+                        return decoded[0], decoded[1:]
             to.close()  # that engine died while starting, or never answered
         self._channel = None
         raise RuntimeError(f"no engine answered within {timeout_s:.0f} s")
 
-    def _serving(self, ready: wire.Ready) -> None:
-        """An engine said Ready: its loop runs, nothing waits yet (its first Status follows within STATUS_S)."""
+    def _serving(self, ready: wire.Ready, after: list) -> None:
+        """An engine said Ready: its loop runs, nothing waits yet (its first Status follows within STATUS_S); then
+        what it sent after Ready."""
         self.restarts = ready.restarts
         self.engine.loras.refresh(ready.loras)
         self._status, self._status_at = wire.Status(None, True, 0, 0, ready.loras), time.monotonic()
         self.failure = None
+        self._apply(after)
 
     def _run(self, ready: wire.Ready) -> None:
         while True:
             self._serve(ready.pid)
             if self._stopping:
                 return
-            ready = self._connect()
-            self._serving(ready)
+            ready, after = self._connect()
+            self._serving(ready, after)
             log.warning("serving again, on engine process %d (%d restart(s) so far)", ready.pid, ready.restarts)
 
     def _serve(self, pid: int) -> None:

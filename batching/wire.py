@@ -42,8 +42,8 @@ class Completion(msgspec.Struct, array_like=True):
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
-    """A front end, by its process id: the engine sends its messages to ipc://<directory>/out-<client>, and
-    cancels its requests when that process ends."""
+    """A front end, by its process id, its connection's first message: the engine answers Ready on it, sends it
+    everything meant for that front end, and cancels its requests when it closes."""
 
     client: int
 

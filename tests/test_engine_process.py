@@ -15,10 +15,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import pytest
 import requests
 
+from batching import channel, engine_client, wire
 from client.launch import running_server, start_server, stop_server
+from config import Settings
 from tests.conftest import sim_settings, wait_until
 from tests.test_server import greedy_all, text_prompts
 
@@ -347,3 +350,40 @@ def test_a_completion_not_streamed_has_its_first_token_sent_with_its_step_and_th
     rows = [(m.rids[row], entries) for m in queued if isinstance(m, wire.Tokens) for row, entries in m.logprobs]
     per_step = {rid: [entry for r, entries in rows if r == rid for entry in entries] for rid in (1, 2)}
     assert len(per_step[1]) == 6 and per_step[2] + ends[2].logprobs == per_step[1]
+
+
+def test_a_call_made_while_the_front_end_reconnects_is_answered(tmp_path, monkeypatch):
+    """A request thread may call the engine (a /metrics scrape) once its Hello is sent, before its Ready has been
+    read: the engine's Reply can then come in the same read as Ready, and must be played out, not dropped."""
+    monkeypatch.setattr(engine_client, "CALL_TIMEOUT_S", 3.0)  # where the Reply is dropped, the call fails by then
+    encode = msgspec.msgpack.encode
+    ready = wire.Ready(os.getpid(), 0, "fake", True, 1024, 1024, [])
+    listener = channel.listen(str(tmp_path / "in"))  # an engine speaking the wire, one step at a time
+    listener.settimeout(30)
+
+    def hello() -> channel.Channel:
+        end = channel.Channel(listener.accept()[0])
+        assert isinstance(wire_message(end), wire.Hello)
+        return end
+
+    def wire_message(end: channel.Channel):
+        (payload,) = end.receive(30)
+        return msgspec.msgpack.decode(payload, type=wire.ToEngine)
+
+    engine = ThreadPoolExecutor(1)
+    first = engine.submit(hello)
+    first.add_done_callback(lambda said: said.result().send(encode([ready])))
+    client = engine_client.EngineClient(Settings.of(), None, {}, str(tmp_path))  # returns on Ready
+    second = engine.submit(hello)
+    first.result().close()  # that engine dies; the bridge connects to the next and says Hello
+    second = second.result(timeout=30)
+    wait_until(lambda: client._channel is not None)  # the bridge's Hello is out: request threads may send
+    answer = ThreadPoolExecutor(1).submit(client.call, "stats")
+    call = wire_message(second)
+    frames = [encode([message]) for message in (ready, wire.Reply(call.cid, {"served": 1}))]
+    second.sock.sendall(b"".join(channel.HEADER.pack(len(frame)) + frame for frame in frames))  # one read's worth
+    assert answer.result(timeout=30) == {"served": 1}
+    wait_until(lambda: client.ready)
+    client.shut_down(0)
+    second.close()
+    listener.close()
