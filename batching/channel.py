@@ -58,10 +58,15 @@ class Channel:
         return False
 
     def flush(self) -> bool:
-        """Send as much of the backlog as the socket takes now; True while some is left."""
+        """Send as much of the backlog as the socket takes now; True while some is left. OSError where the other end
+        is gone, and the backlog with it (nobody will take it)."""
         with self._lock:
             if self.backlog:
-                del self.backlog[: _send_some(self.sock, self.backlog)]
+                try:
+                    del self.backlog[: _send_some(self.sock, self.backlog)]
+                except OSError:
+                    self.backlog.clear()
+                    raise
             return bool(self.backlog)
 
     def receive(self, timeout_s: float | None = None) -> list[bytes] | None:

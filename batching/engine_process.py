@@ -405,7 +405,8 @@ class EngineCore:
         while (waiting := [c for c in list(self.channels.values()) if c.backlog]) and time.monotonic() < deadline:
             poller = select.poll()
             for peer in waiting:
-                poller.register(peer, select.POLLOUT)
+                with contextlib.suppress(ValueError):  # closed meanwhile by the main thread: its front end is gone
+                    poller.register(peer, select.POLLOUT)
             poller.poll(1000)
             for peer in waiting:
                 with contextlib.suppress(OSError):  # gone: its backlog dropped

@@ -83,3 +83,14 @@ def test_the_peers_end_comes_after_everything_it_sent(pair):
     a.close()
     assert read_all(b, 3) == messages(3, 10)
     assert b.receive() is None
+
+
+def test_a_backlog_for_a_peer_that_is_gone_is_dropped_with_an_error(pair):
+    """What waits for a peer that ended is nobody's: flushing it raises, and nothing is left to flush again."""
+    sender, reader = pair
+    while not sender.send(b"x" * 40_000):
+        pass  # until the socket's buffer is full and some waits
+    reader.close()
+    with pytest.raises(OSError):
+        sender.flush()
+    assert not sender.backlog and not sender.flush()
